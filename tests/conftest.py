@@ -1,0 +1,4 @@
+"""Start TensorFlow the way the notebooks do, before any test module imports it."""
+import gradtut
+
+gradtut.setup(seed=0)

@@ -1,0 +1,82 @@
+"""Every stored notebook is canonical, fully executed in order, clean, and honest about timing."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from gradtut.notebook_format import canonical
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+# Calls whose output varies from run to run: such cells must be marked, and only such cells.
+TIMING = re.compile(r"\b(compare_timings|time_callable|benchmark_per_example|peak_memory_bytes|"
+                    r"run_in_subprocess|perf_counter)\(")
+IGNORE = "# NBVAL_IGNORE_OUTPUT"
+LOG_NOISE = re.compile(r"^[IWEF]0000 |oneDNN custom operations|cpu_feature_guard|INFO:tensorflow|"
+                       r"WARNING:tensorflow|ms/step|absl::InitializeLog", re.M)
+
+
+def code_cells(path):
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    return [c for c in nb["cells"] if c["cell_type"] == "code"]
+
+
+def source(cell):
+    return "".join(cell["source"])
+
+
+def text_of(output):
+    data = output.get("text", output.get("data", {}).get("text/plain", ""))
+    return "".join(data)
+
+
+def test_there_are_notebooks():
+    assert [p.name for p in NOTEBOOKS][:1] == ["01_per_example_gradients.ipynb"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_json_is_canonical(path):
+    text = path.read_text(encoding="utf-8")
+    assert text == canonical(json.loads(text)), \
+        f"run: python -m gradtut.notebook_format {path.relative_to(ROOT)}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_executed_once_top_to_bottom(path):
+    cells = code_cells(path)
+    assert [c["execution_count"] for c in cells] == list(range(1, len(cells) + 1))
+    assert sum(bool(c["outputs"]) for c in cells) >= len(cells) // 2, "most cells show something"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_errors_stderr_or_log_noise(path):
+    for i, cell in enumerate(code_cells(path), 1):
+        for out in cell["outputs"]:
+            where = f"code cell {i}"
+            if out["output_type"] == "error":
+                assert "NBVAL_RAISES_EXCEPTION" in source(cell), f"{where} stores an error"
+            assert not (out["output_type"] == "stream" and out["name"] == "stderr"), \
+                f"{where} writes to stderr: {text_of(out)[:200]!r}"
+            assert not LOG_NOISE.search(text_of(out)), f"{where} has log noise"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_timing_cells_and_only_they_ignore_output(path):
+    cells = code_cells(path)
+    for i, cell in enumerate(cells, 1):
+        timed, ignored = bool(TIMING.search(source(cell))), IGNORE in source(cell)
+        assert timed == ignored, (f"code cell {i}: " + (
+            f"times something but lacks {IGNORE}" if timed else
+            f"has {IGNORE} but times nothing: print stable values instead"))
+    assert sum(IGNORE in source(c) for c in cells) <= 0.4 * len(cells)
+
+
+def test_binder_installs_what_requirements_txt_installs():
+    def requirements(path):
+        lines = (ROOT / path).read_text().splitlines()
+        return sorted(l.strip() for l in lines if l.strip() and not l.startswith(("#", "-e")))
+
+    assert requirements("binder/requirements.txt") == requirements("requirements.txt")
+    assert "pip install --no-deps -e ." in (ROOT / "binder/postBuild").read_text()
+    assert (ROOT / "binder/runtime.txt").read_text().strip() == "python-3.11"

@@ -1,0 +1,81 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+import gradtut
+
+
+def run_python(code, **env):
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("TF_")}
+    full_env.update(env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=full_env, timeout=300)
+
+
+def test_setup_is_idempotent_and_reports_the_allocator():
+    first = gradtut.setup(seed=0)
+    again = gradtut.setup(seed=0)
+    assert first == again
+    assert first["bfc_allocator"] is True
+    assert first["tensorflow"].startswith("2.21.")
+
+
+def test_setup_reseeds_so_a_rerun_cell_repeats_its_numbers():
+    import tensorflow as tf
+    gradtut.setup(seed=3)
+    a = tf.random.uniform([3]).numpy()
+    gradtut.setup(seed=3)
+    assert (tf.random.uniform([3]).numpy() == a).all()
+    gradtut.setup(seed=0)
+
+
+def test_a_different_device_count_in_the_same_process_says_restart():
+    with pytest.raises(gradtut.RestartKernelError, match="Restart the kernel"):
+        gradtut.setup(seed=0, virtual_cpus=2)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, "2"])
+def test_virtual_cpus_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="positive int"):
+        gradtut.setup(virtual_cpus=bad)
+
+
+def test_setup_is_silent_and_creates_virtual_cpus():
+    proc = run_python("import gradtut; info = gradtut.setup(virtual_cpus=3); "
+                      "info2 = gradtut.setup(virtual_cpus=3); assert info == info2; "
+                      "import tensorflow as tf; tf.reduce_sum(tf.ones(3)); print(info['devices'])")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    assert proc.stdout.strip() == "['/device:CPU:0', '/device:CPU:1', '/device:CPU:2']"
+
+
+def test_tensorflow_started_first_with_other_devices_says_restart():
+    proc = run_python("import tensorflow as tf; tf.ones(1); import gradtut; "
+                      "gradtut.setup(virtual_cpus=2, bfc_allocator=False)",
+                      TF_CPP_MIN_LOG_LEVEL="3")
+    assert proc.returncode != 0
+    assert "RestartKernelError: TensorFlow already started with 1 CPU device(s)" in proc.stderr
+    assert "Restart the kernel" in proc.stderr
+
+
+def test_tensorflow_started_first_with_the_plain_allocator_says_restart():
+    # With oneDNN off (as on builds without it), TensorFlow's default CPU allocator is the
+    # plain one: no statistics, and no way to switch to BFC once the runtime has started.
+    started_first = "import tensorflow as tf; tf.ones(1); import gradtut; "
+    proc = run_python(started_first + "gradtut.setup()",
+                      TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0")
+    assert proc.returncode != 0
+    assert "cannot be switched on now. Restart the kernel" in proc.stderr
+    ok = run_python(started_first + "print(gradtut.setup(bfc_allocator=False)['bfc_allocator'])",
+                    TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0")
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.strip() == "False"
+
+
+def test_setup_first_gives_allocator_statistics_even_without_onednn():
+    proc = run_python("import gradtut; print(gradtut.setup()['bfc_allocator'])",
+                      TF_ENABLE_ONEDNN_OPTS="0")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "True"
