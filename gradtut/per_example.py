@@ -93,13 +93,16 @@ def _check_call(model, loss_fn, x, y, training, method, methods):
                     "LayerNormalization / GroupNormalization instead."
                 )
         random_layers = _random_layers(model)
-        if random_layers and method in ("vectorized", "outer", "ghost"):
+        uses_vectorized_map = method == "vectorized" or (
+            method in ("outer", "ghost") and "vectorized" in ghost_norm_plan(model).values())
+        if random_layers and uses_vectorized_map:
             names = [layer.name for layer in random_layers]
             raise ValueError(
                 f"layers {names} draw random numbers in training mode. Inside tf.vectorized_map "
-                "(used by method 'vectorized', and as the fallback of 'outer' and 'ghost') a "
-                "Keras random layer draws ONE mask for the whole batch, so every example gets the "
-                "same dropout pattern. Use method='jacobian', 'loop' or 'map_fn', or training=False."
+                "(used by method 'vectorized', and by 'outer' and 'ghost' for layers without a "
+                "closed-form rule) a Keras random layer draws ONE mask for the whole batch, so "
+                "every example gets the same dropout pattern. Use method='jacobian', 'loop' or "
+                "'map_fn', or training=False."
             )
     return x, y, bx
 
@@ -397,8 +400,7 @@ def _layer_sq_norms(layer, rule, a, g):
         same = tf.cast(tf.equal(a[:, :, None], a[:, None, :]), g.dtype)
         return tf.reduce_sum(same * tf.einsum("btd,bsd->bts", g, g), axis=[1, 2])
     grads = _layer_per_example_grads(layer, rule, a, g)  # conv kernels are small: materialise
-    return tf.add_n([tf.reduce_sum(tf.square(t), axis=list(range(1, t.shape.rank)))
-                     for t in grads.values()])
+    return tf.add_n([_sq_norms(t) for t in grads.values()])
 
 
 def _layer_weighted_sum(layer, rule, a, g, weights):
@@ -494,9 +496,13 @@ def per_example_gradients(model, loss_fn, x, y, method="vectorized", *, training
     return _IMPLEMENTATIONS[method](model, loss_fn, x, y, training, model.trainable_variables)
 
 
+def _sq_norms(per_example):
+    """``[B, ...] -> [B]``: squared L2 norm of each example's slice."""
+    return tf.reduce_sum(tf.square(per_example), axis=list(range(1, per_example.shape.rank)))
+
+
 def _norms_from_grads(grads):
-    return tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(g), axis=list(range(1, g.shape.rank)))
-                             for g in grads]))
+    return tf.sqrt(tf.add_n([_sq_norms(g) for g in grads]))
 
 
 def _ghost_sq_norms_fn(model, loss_fn, training):
@@ -507,8 +513,7 @@ def _ghost_sq_norms_fn(model, loss_fn, training):
         parts = [_layer_sq_norms(layer, rule, a, g) for layer, rule, a, g in merged]
         rest = _fallback_variables(model, merged)
         rest_grads = _vectorized_fn(model, loss_fn, training, rest)(x, y) if rest else []
-        parts += [tf.reduce_sum(tf.square(t), axis=list(range(1, t.shape.rank)))
-                  for t in rest_grads]
+        parts += [_sq_norms(t) for t in rest_grads]
         return merged, rest, rest_grads, tf.add_n(parts)
 
     return ghost

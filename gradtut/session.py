@@ -117,14 +117,12 @@ def setup(seed=0, virtual_cpus=None, bfc_allocator=True, deterministic=True):
         if virtual_cpus is not None:
             wanted = [tf.config.LogicalDeviceConfiguration() for _ in range(virtual_cpus)]
             current = tf.config.get_logical_device_configuration(cpu)
-            # Re-applying the same list is a no-op; TensorFlow refuses any change after start.
-            if current is None and virtual_cpus == 1 and started_before:
-                pass
-            elif current is None or len(current) != virtual_cpus:
+            have = 1 if current is None else len(current)
+            # Re-applying the same count is a no-op; TensorFlow refuses any change after start.
+            if have != virtual_cpus or (current is None and not started_before):
                 try:
                     tf.config.set_logical_device_configuration(cpu, wanted)
                 except RuntimeError as err:
-                    have = 1 if current is None else len(current)
                     raise RestartKernelError(
                         f"TensorFlow already started with {have} CPU device(s), so it cannot "
                         f"create {virtual_cpus} virtual CPUs ({err}). Restart the kernel and "

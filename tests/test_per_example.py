@@ -1,4 +1,6 @@
 """Every per-example method against the one-tape-per-example loop, on values."""
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -162,15 +164,11 @@ def test_dense_on_sequences_matches_loop_for_any_shape(batch_size, steps, seed):
     assert_gradients_close(per_example_gradient_norms(model, LOSS, x, y), norms, **TOL)
 
 
-_SEQUENCE_MODEL = []
-
-
+@functools.lru_cache(maxsize=None)
 def _sequence_model():
-    if not _SEQUENCE_MODEL:
-        _SEQUENCE_MODEL.append(keras.Sequential([
-            keras.Input((None, 5)), keras.layers.Dense(4, activation="tanh"),
-            keras.layers.GlobalMaxPooling1D(), keras.layers.Dense(3)]))
-    return _SEQUENCE_MODEL[0]
+    """Built once: hypothesis calls the test many times, and every build means a new trace."""
+    return keras.Sequential([keras.Input((None, 5)), keras.layers.Dense(4, activation="tanh"),
+                             keras.layers.GlobalMaxPooling1D(), keras.layers.Dense(3)])
 
 
 def test_embedding_on_single_token_inputs(models):
@@ -269,13 +267,47 @@ def dropout_model():
                              keras.layers.Dropout(0.5, name="drop"), keras.layers.Dense(3)])
 
 
+def dropout_model_with_fallback():
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(16),
+                             keras.layers.LayerNormalization(), keras.layers.Dropout(0.5, name="drop"),
+                             keras.layers.Dense(3)])
+
+
 @pytest.mark.parametrize("method", ["vectorized", "outer"])
 def test_dropout_in_a_vectorized_map_is_refused(method):
     x, y = np.ones((4, 6), "float32"), np.array([0, 1, 2, 0])
+    model = dropout_model() if method == "vectorized" else dropout_model_with_fallback()
     with pytest.raises(ValueError, match=r"\['drop'\].*ONE mask for the whole batch"):
-        per_example_gradients(dropout_model(), LOSS, x, y, method, training=True)
+        per_example_gradients(model, LOSS, x, y, method, training=True)
     with pytest.raises(ValueError, match="ONE mask"):
-        clipped_gradient(dropout_model(), LOSS, x, y, 1.0, training=True)
+        clipped_gradient(dropout_model_with_fallback(), LOSS, x, y, 1.0, training=True)
+
+
+def test_one_pass_methods_handle_dropout_when_no_layer_falls_back():
+    """With the dropout mask replayed (same seed state), 'outer', ghost norms and the clipped
+    gradient equal what 'jacobian' computes from the same single forward pass."""
+    model = dropout_model()
+    seeds = model.get_layer("drop").seed_generator.state
+    start = seeds.numpy()
+    x, y = batch_for("mlp", 6)
+    x = x[:, :6]
+
+    def replay(fn):
+        seeds.assign(start)
+        return fn()
+
+    expected = replay(lambda: per_example_gradients(model, LOSS, x, y, "jacobian", training=True))
+    assert len({row.tobytes() for row in np.sign(expected[2].numpy()).reshape(6, -1)}) > 1
+    got = replay(lambda: per_example_gradients(model, LOSS, x, y, "outer", training=True))
+    assert_gradients_close(got, expected, **TOL)
+    norms = np.sqrt(sum(np.sum(np.square(g.numpy()), axis=tuple(range(1, g.shape.rank)))
+                        for g in expected))
+    ghost = replay(lambda: per_example_gradient_norms(model, LOSS, x, y, training=True))
+    assert_gradients_close(ghost, norms, **TOL)
+    clip = float(np.median(norms))
+    by_hand = [np.tensordot(np.minimum(1, clip / norms), g.numpy(), axes=1) / 6 for g in expected]
+    clipped = replay(lambda: clipped_gradient(model, LOSS, x, y, clip, training=True))
+    assert_gradients_close(clipped, by_hand, **TOL)
 
 
 def test_dropout_under_jacobian_draws_a_mask_per_example():
