@@ -1,0 +1,387 @@
+"""Vectorised maps, Jacobians and input gradients for large batches (notebook 02).
+
+- :func:`vectorization_report` runs a function under ``tf.vectorized_map`` and says whether pfor
+  fell back to a ``while_loop`` (TensorFlow only logs that), and for which ops.
+- :func:`input_gradients`, :func:`batch_jacobian` and :func:`integrated_gradients` compute
+  per-example derivatives of a model's output with respect to its input, chunk by chunk, so
+  TensorFlow's working memory stays at one chunk however many examples there are.
+
+Why one backward pass gives every example's input gradient: example b's input ``x_b`` only
+reaches output ``f(x)_b`` when examples do not interact, so ``d/dx_b sum_c f(x)_c`` is
+``d f(x)_b / d x_b``. That fails for any op that mixes the batch: BatchNormalization in
+*training* mode (batch statistics; these functions call the model with ``training=False``, so
+it uses its moving statistics and is fine), or a custom layer that normalises, sorts or attends
+across axis 0. Such models are detected (example 0 computed alone must equal example 0 computed
+in the batch) and refused with a ``ValueError``.
+
+All results are NumPy arrays, gathered on the host chunk by chunk.
+"""
+import logging
+import re
+import weakref
+from dataclasses import dataclass, field
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+_cache = weakref.WeakKeyDictionary()  # model -> {key: tf.function}
+_FALLBACK = re.compile(r"while_loop for converting (\w+)|(\w+) uses a while_loop")
+
+
+# ------------------------------------------------------------------ vectorization_report
+
+
+@dataclass
+class VectorizationReport:
+    """What ``tf.vectorized_map`` did with a function.
+
+    Attributes:
+      vectorized: True when every op was converted to a batched op (no ``while_loop``).
+      fallback_ops: op types pfor ran in a ``while_loop`` instead, in the order it said so.
+      messages: the log lines TensorFlow emitted while converting.
+      result: what ``tf.vectorized_map(fn, elems)`` returned.
+    """
+
+    vectorized: bool
+    fallback_ops: list
+    messages: list = field(repr=False)
+    result: object = field(repr=False)
+
+
+class _Capture(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def vectorization_report(fn, elems):
+    """Run ``fn`` over ``elems`` with ``tf.vectorized_map`` and report any ``while_loop`` fallback.
+
+    pfor converts each op of ``fn`` into a batched op. Ops it has no rule for (or cannot batch
+    with these inputs) run in a ``while_loop`` over the examples instead: correct, but as slow as
+    a loop, and TensorFlow only mentions it in a log line that ``gradtut.setup`` hides. This
+    function traces ``fn`` afresh, captures those lines, and returns them.
+
+    Args:
+      fn: function of one element (a nest of tensors without the leading batch dimension).
+      elems: a tensor or nest of tensors with a common leading dimension.
+
+    Returns:
+      :class:`VectorizationReport`.
+
+    Raises:
+      ValueError: ``elems`` is empty.
+
+    Example:
+      >>> report = vectorization_report(lambda v: tf.reduce_sum(v * v), tf.ones([4, 3]))
+      >>> report.vectorized, report.fallback_ops
+      (True, [])
+    """
+    leaves = tf.nest.flatten(elems)
+    if not leaves or any(tf.shape(t)[0] == 0 for t in leaves):
+        raise ValueError("elems is empty: give at least one element to map over")
+    logger = tf.get_logger()
+    capture = _Capture()
+    saved = logger.level, logger.handlers[:], logger.propagate
+    logger.setLevel(logging.DEBUG)
+    logger.handlers[:] = [capture]
+    logger.propagate = False
+    try:
+        # A fresh tf.function, so pfor converts (and logs) again even for a function seen before.
+        result = tf.function(lambda e: tf.vectorized_map(fn, e, warn=True))(elems)
+    finally:
+        logger.setLevel(saved[0])
+        logger.handlers[:] = saved[1]
+        logger.propagate = saved[2]
+    messages = [m for m in capture.messages if "while_loop" in m]
+    ops = [a or b for m in messages for a, b in _FALLBACK.findall(m)]
+    return VectorizationReport(not ops, list(dict.fromkeys(ops)), messages, result)
+
+
+# ----------------------------------------------------------------- per-example input derivatives
+
+
+def _checked_input(x):
+    x = tf.convert_to_tensor(x)
+    if x.dtype == tf.float64:
+        x = tf.cast(x, keras.backend.floatx())
+    if not x.dtype.is_floating:
+        raise ValueError(f"x must be floating point to differentiate with respect to it; got {x.dtype}")
+    if x.shape.rank == 0 or x.shape[0] == 0:
+        raise ValueError(f"x must be a non-empty batch [B, ...]; got shape {x.shape}")
+    return x
+
+
+def _chunk_size(batch_size, n):
+    if batch_size is None:
+        return n
+    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
+    return int(batch_size)
+
+
+def _target_rows(target, n, probe):
+    """Validate ``target`` against the outputs ``probe`` of two examples.
+
+    Returns ``(kind, rows)``: kind is "scalar", "index" or "callable"; rows is ``[n]`` int32
+    class indices for kind "index", else None.
+    """
+    if target is None:
+        if probe.shape.rank > 2 or (probe.shape.rank == 2 and probe.shape[1] != 1):
+            raise ValueError(
+                f"the model's output has shape {probe.shape[1:]} per example, not one scalar; "
+                "pass target= a class index (int or [B] ints) or a callable outputs -> [B]")
+        return "scalar", None
+    if callable(target):
+        chosen = target(probe)
+        if chosen.shape.rank != 1:
+            raise ValueError(f"target(outputs) must return a [B] vector; got shape {chosen.shape}")
+        return "callable", None
+    index = np.asarray(target)
+    if not np.issubdtype(index.dtype, np.integer) or index.ndim > 1:
+        raise ValueError("target must be None, an int class index, [B] ints or a callable; "
+                         f"got {target!r}")
+    if index.ndim == 1 and len(index) != n:
+        raise ValueError(f"target has {len(index)} class indices for {n} examples")
+    if probe.shape.rank != 2:
+        raise ValueError(f"a class-index target needs [B, classes] outputs; got {probe.shape}")
+    classes = probe.shape[1]
+    if index.min() < 0 or index.max() >= classes:
+        raise ValueError(f"target class indices must be in [0, {classes}); got "
+                         f"{index.min()}..{index.max()}")
+    return "index", np.broadcast_to(index, (n,)).astype(np.int32)
+
+
+def _pick(outputs, kind, target, rows):
+    """The ``[chunk]`` scalars to differentiate, one per example."""
+    if kind == "scalar":
+        return tf.reshape(outputs, [-1])
+    if kind == "callable":
+        return target(outputs)
+    return tf.gather(outputs, rows, axis=1, batch_dims=1)
+
+
+def _check_examples_independent(model, x):
+    """Refuse models whose output for one example depends on the others in its batch.
+
+    Returns the model's outputs for the first two examples (used to validate the target).
+    """
+    together = model(x[:2], training=False)
+    if x.shape[0] < 2:
+        return together
+    alone = model(x[:1], training=False)
+    difference = float(tf.reduce_max(tf.abs(together[:1] - alone)))
+    if difference > 1e-4 * (float(tf.reduce_max(tf.abs(alone))) + 1e-6):
+        raise ValueError(
+            "the model's output for one example depends on the other examples in the batch "
+            "(example 0 alone differs from example 0 next to example 1), so a single backward pass "
+            "cannot separate per-example input gradients. This happens with ops that mix the batch "
+            "(batch statistics, sorting or attention across axis 0). Compute per example instead, "
+            "with batch_size=1.")
+    return together
+
+
+def _cached(model, key, build):
+    per_model = _cache.setdefault(model, {})
+    if key not in per_model:
+        per_model[key] = build()
+    return per_model[key]
+
+
+def _prepare(model, x, target, batch_size):
+    """Shared argument checks: returns ``(x as NumPy, chunk size, kind, rows)``."""
+    x = _checked_input(x)
+    n = x.shape[0]
+    if batch_size is not None and (not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
+        raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
+    kind, rows = _target_rows(target, n, _check_examples_independent(model, x[:2]))
+    # Keep the full batch on the host; TensorFlow sees one chunk at a time.
+    return x.numpy(), int(batch_size or n), kind, rows
+
+
+def _over_chunks(fn, x, chunk, rows):
+    """Run ``fn(x_chunk, rows_chunk)`` over chunks, filling one preallocated NumPy array."""
+    result = None
+    for start in range(0, len(x), chunk):
+        stop = min(start + chunk, len(x))
+        part = fn(tf.constant(x[start:stop]),
+                  tf.constant(rows[start:stop] if rows is not None else np.zeros(0, np.int32)))
+        part = part.numpy()
+        if result is None:
+            result = np.empty((len(x), *part.shape[1:]), part.dtype)
+        result[start:stop] = part
+    return result
+
+
+def _target_key(kind, target):
+    return (kind, target if kind == "callable" else None)
+
+
+def input_gradients(model, x, target=None, batch_size=None):
+    """Per-example gradient of the model's (target) output with respect to its input.
+
+    One backward pass of the output summed over the batch gives every example's gradient at
+    once, which is valid only when examples do not interact (see the module docstring; models
+    that mix the batch are detected and refused). The model runs with ``training=False``.
+
+    Args:
+      model: a Keras model (or any callable ``model(x, training=False)``) with one input tensor.
+      x: float inputs ``[N, ...]`` (array or tensor).
+      target: what to differentiate per example: None when the model returns one scalar per
+        example (``[N]`` or ``[N, 1]``); an int class index, or ``[N]`` ints, to pick column(s)
+        of ``[N, classes]`` outputs; or a callable ``outputs -> [N]`` for anything else.
+      batch_size: examples per chunk, or None for one chunk. TensorFlow's working memory is
+        that of one chunk; the result is gathered in a NumPy array on the host.
+
+    Returns:
+      ``np.ndarray`` shaped like ``x``: row b is ``d target_b / d x_b``.
+
+    Raises:
+      ValueError: empty or non-float ``x``; ``batch_size`` not a positive int; a target that does
+        not fit the outputs (out-of-range class, wrong length, a non-scalar output with no
+        target); a model whose examples interact.
+
+    Example:
+      >>> grads = input_gradients(cnn, images, target=labels, batch_size=512)  # doctest: +SKIP
+      >>> grads.shape == images.shape  # doctest: +SKIP
+      True
+    """
+    x, chunk, kind, rows = _prepare(model, x, target, batch_size)
+
+    def build():
+        @tf.function(reduce_retracing=True)
+        def gradients(xc, rows_c):
+            with tf.GradientTape() as tape:
+                tape.watch(xc)
+                total = tf.reduce_sum(_pick(model(xc, training=False), kind, target, rows_c))
+            return tape.gradient(total, xc)
+
+        return gradients
+
+    fn = _cached(model, ("input_gradients",) + _target_key(kind, target), build)
+    return _over_chunks(fn, x, chunk, rows)
+
+
+def batch_jacobian(model, x, batch_size=None, use_pfor=True):
+    """Per-example Jacobian of the model's output with respect to its input.
+
+    Uses ``tape.batch_jacobian``, which relies on the same independence of examples as
+    :func:`input_gradients` (checked the same way).
+
+    Args:
+      model: a Keras model with one input tensor, run with ``training=False``.
+      x: float inputs ``[N, *in_shape]``.
+      batch_size: examples per chunk, or None for one chunk.
+      use_pfor: vectorise the backward passes with pfor (``experimental_use_pfor``); False runs
+        one backward pass per output unit in a ``while_loop`` (slower, less memory).
+
+    Returns:
+      ``np.ndarray`` ``[N, *out_shape, *in_shape]``; entry ``[b, i..., j...]`` is
+      ``d out[b, i...] / d x[b, j...]``. Its size is N x out x in floats: mind the memory.
+
+    Raises:
+      ValueError: as :func:`input_gradients` (empty or non-float x, bad batch_size, a model whose
+        examples interact).
+
+    Example:
+      >>> jac = batch_jacobian(mlp, x, batch_size=256)  # doctest: +SKIP
+      >>> jac.shape  # doctest: +SKIP
+      (1797, 10, 64)
+    """
+    x, chunk, _, _ = _prepare(model, x, lambda out: tf.zeros(tf.shape(out)[:1]), batch_size)
+
+    def build():
+        @tf.function(reduce_retracing=True)
+        def jacobian(xc, rows_c):  # pylint: disable=unused-argument
+            with tf.GradientTape() as tape:
+                tape.watch(xc)
+                out = model(xc, training=False)
+            return tape.batch_jacobian(out, xc, experimental_use_pfor=use_pfor)
+
+        return jacobian
+
+    fn = _cached(model, ("batch_jacobian", bool(use_pfor)), build)
+    return _over_chunks(fn, x, chunk, None)
+
+
+def integrated_gradients(model, x, baseline=None, target=None, steps=64, batch_size=None):
+    """Integrated gradients (Sundararajan et al., 2017): attribution of each input feature.
+
+    ``(x - baseline) * mean over a in [0, 1] of grad f(baseline + a (x - baseline))``, with the
+    path integral approximated by the trapezoidal rule on ``steps`` intervals. Completeness:
+    the attributions of an example add up to ``f(x) - f(baseline)``; the error shrinks as
+    ``steps`` grows (below 1% of ``|f(x) - f(baseline)|`` at 64 steps for the smooth and ReLU
+    models in the tests; check it on yours with :func:`completeness_gap`).
+
+    Args:
+      model, target: as in :func:`input_gradients`.
+      x: float inputs ``[N, ...]``.
+      baseline: ``[N, ...]`` or one example ``[...]`` to start the path from; None means zeros.
+      steps: number of intervals on the path (>= 1); the model runs on ``steps + 1`` points.
+      batch_size: how many path points (examples x steps) per chunk, or None for all at once.
+
+    Returns:
+      ``np.ndarray`` shaped like ``x``.
+
+    Raises:
+      ValueError: ``steps < 1``, a baseline whose shape does not fit ``x``, and as
+        :func:`input_gradients`.
+
+    Example:
+      >>> attributions = integrated_gradients(cnn, images[:8], target=labels[:8])  # doctest: +SKIP
+    """
+    if not isinstance(steps, (int, np.integer)) or steps < 1:
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    x = _checked_input(x).numpy()
+    baseline = np.zeros_like(x) if baseline is None else np.asarray(baseline, x.dtype)
+    if baseline.shape == x.shape[1:]:
+        baseline = np.broadcast_to(baseline, x.shape)
+    if baseline.shape != x.shape:
+        raise ValueError(f"baseline shape {baseline.shape} fits neither x {x.shape} nor one "
+                         f"example {x.shape[1:]}")
+    alphas = np.linspace(0.0, 1.0, steps + 1, dtype=x.dtype)
+    # Path points, example-major: [N * (steps + 1), ...].
+    alphas = alphas.reshape(1, -1, *([1] * (x.ndim - 1)))
+    path = (baseline[:, None] + alphas * (x - baseline)[:, None]).reshape(-1, *x.shape[1:])
+    if target is not None and not callable(target):
+        target = np.repeat(np.broadcast_to(np.asarray(target), (len(x),)), steps + 1)
+    grads = input_gradients(model, path, target=target, batch_size=batch_size)
+    grads = grads.reshape(len(x), steps + 1, *x.shape[1:])
+    weights = np.full(steps + 1, 1.0 / steps, x.dtype)
+    weights[[0, -1]] /= 2  # trapezoidal rule
+    average = np.tensordot(weights, np.moveaxis(grads, 1, 0), axes=1)
+    return (x - baseline) * average
+
+
+def completeness_gap(model, x, attributions, baseline=None, target=None):
+    """``sum(attributions_b) - (f(x_b) - f(baseline_b))`` per example: 0 for exact attributions.
+
+    Args:
+      model, x, baseline, target: as given to :func:`integrated_gradients`.
+      attributions: its result, shaped like ``x``.
+
+    Returns:
+      ``np.ndarray`` ``[N]``.
+
+    Example:
+      >>> attr = integrated_gradients(model, x, target=3)  # doctest: +SKIP
+      >>> np.abs(completeness_gap(model, x, attr, target=3)).max() < 1e-2  # doctest: +SKIP
+      True
+    """
+    x = _checked_input(x).numpy()
+    attributions = np.asarray(attributions)
+    if attributions.shape != x.shape:
+        raise ValueError(f"attributions shape {attributions.shape} != x shape {x.shape}")
+    baseline = np.zeros_like(x) if baseline is None else np.broadcast_to(
+        np.asarray(baseline, x.dtype), x.shape)
+    kind, rows = _target_rows(target, len(x), model(x[:2], training=False))
+
+    def value(inputs):
+        return _pick(model(inputs, training=False), kind, target, rows).numpy()
+
+    sums = attributions.reshape(len(x), -1).sum(axis=1, dtype=np.float64)
+    return sums - (value(x).astype(np.float64) - value(baseline).astype(np.float64))
