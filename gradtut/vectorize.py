@@ -106,22 +106,16 @@ def vectorization_report(fn, elems):
 
 
 def _checked_input(x):
-    x = tf.convert_to_tensor(x)
-    if x.dtype == tf.float64:
-        x = tf.cast(x, keras.backend.floatx())
-    if not x.dtype.is_floating:
+    """``x`` as a NumPy array: a large batch stays on the host, and TensorFlow's allocator only
+    ever sees one chunk of it."""
+    x = x.numpy() if isinstance(x, (tf.Tensor, tf.Variable)) else np.asarray(x)
+    if x.dtype == np.float64:
+        x = x.astype(keras.backend.floatx())
+    if not np.issubdtype(x.dtype, np.floating):
         raise ValueError(f"x must be floating point to differentiate with respect to it; got {x.dtype}")
-    if x.shape.rank == 0 or x.shape[0] == 0:
+    if x.ndim == 0 or x.shape[0] == 0:
         raise ValueError(f"x must be a non-empty batch [B, ...]; got shape {x.shape}")
     return x
-
-
-def _chunk_size(batch_size, n):
-    if batch_size is None:
-        return n
-    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
-    return int(batch_size)
 
 
 def _target_rows(target, n, probe):
@@ -198,9 +192,20 @@ def _prepare(model, x, target, batch_size):
     n = x.shape[0]
     if batch_size is not None and (not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
         raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
-    kind, rows = _target_rows(target, n, _check_examples_independent(model, x[:2]))
-    # Keep the full batch on the host; TensorFlow sees one chunk at a time.
-    return x.numpy(), int(batch_size or n), kind, rows
+    kind, rows = _target_rows(target, n, _probe(model, x))
+    return x, int(batch_size or n), kind, rows
+
+
+def _probe(model, x):
+    """Outputs for two examples, after checking they do not interact; cached per model, since
+    mixing the batch is a property of the architecture (the check costs two forward passes)."""
+    per_model = _cache.setdefault(model, {})
+    if "probe" in per_model:
+        return per_model["probe"]
+    probe = _check_examples_independent(model, x[:2])
+    if len(x) >= 2:  # one example cannot show mixing: check again next time
+        per_model["probe"] = probe
+    return probe
 
 
 def _over_chunks(fn, x, chunk, rows):
@@ -336,7 +341,7 @@ def integrated_gradients(model, x, baseline=None, target=None, steps=64, batch_s
     """
     if not isinstance(steps, (int, np.integer)) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
-    x = _checked_input(x).numpy()
+    x = _checked_input(x)
     baseline = np.zeros_like(x) if baseline is None else np.asarray(baseline, x.dtype)
     if baseline.shape == x.shape[1:]:
         baseline = np.broadcast_to(baseline, x.shape)
@@ -372,13 +377,13 @@ def completeness_gap(model, x, attributions, baseline=None, target=None):
       >>> np.abs(completeness_gap(model, x, attr, target=3)).max() < 1e-2  # doctest: +SKIP
       True
     """
-    x = _checked_input(x).numpy()
+    x = _checked_input(x)
     attributions = np.asarray(attributions)
     if attributions.shape != x.shape:
         raise ValueError(f"attributions shape {attributions.shape} != x shape {x.shape}")
     baseline = np.zeros_like(x) if baseline is None else np.broadcast_to(
         np.asarray(baseline, x.dtype), x.shape)
-    kind, rows = _target_rows(target, len(x), model(x[:2], training=False))
+    kind, rows = _target_rows(target, len(x), _probe(model, x))
 
     def value(inputs):
         return _pick(model(inputs, training=False), kind, target, rows).numpy()

@@ -1,0 +1,132 @@
+"""Measurements behind notebook 02 that need a fresh process or a fixed workload.
+
+Thread-pool sizes are read once, when TensorFlow's runtime starts, so
+:func:`threading_timings` is meant to run in its own process
+(``gradtut.benchmark.run_in_subprocess``), one call per setting.
+"""
+import numpy as np
+import tensorflow as tf
+
+from gradtut.benchmark import compare_timings
+
+
+def per_example_input_gradient(model):
+    """``f(x_i) -> d sum(model(x_i)) / d x_i`` for one example without its batch dimension."""
+
+    def gradient(xi):
+        xi = xi[None]
+        with tf.GradientTape() as tape:
+            tape.watch(xi)
+            value = tf.reduce_sum(model(xi, training=False))
+        return tape.gradient(value, xi)[0]
+
+    return gradient
+
+
+def map_fn_timings(model, x, parallel_iterations=(1, 2, 4, 10), repeats=5, eager=True):
+    """Median ms of ``tf.map_fn`` over ``x`` with the per-example input gradient.
+
+    Returns dict ``{label: Timing}`` for eager (if asked) and each ``parallel_iterations`` in a
+    ``tf.function``, plus ``"vectorized_map"`` and ``"one batched pass"``, all timed in the same
+    interleaved rounds; ratios are against the eager map_fn (or the first graph variant).
+    """
+    one = per_example_input_gradient(model)
+    x = tf.convert_to_tensor(x)
+    calls = {}
+    if eager:
+        calls["map_fn, eager"] = lambda: tf.map_fn(one, x, parallel_iterations=1)
+    for p in parallel_iterations:
+        fn = tf.function(lambda v, p=p: tf.map_fn(one, v, parallel_iterations=p))
+        calls[f"map_fn, tf.function, parallel_iterations={p}"] = lambda fn=fn: fn(x)
+    vectorized = tf.function(lambda v: tf.vectorized_map(one, v))
+    calls["vectorized_map"] = lambda: vectorized(x)
+
+    @tf.function
+    def batched(v):
+        with tf.GradientTape() as tape:
+            tape.watch(v)
+            value = tf.reduce_sum(model(v, training=False))
+        return tape.gradient(value, v)
+
+    calls["one batched pass"] = lambda: batched(x)
+    return compare_timings(calls, reference=next(iter(calls)), warmup=1, repeats=repeats)
+
+
+def threading_timings(intra_op=None, inter_op=None, batch=512, features=1024, repeats=5):
+    """Set TensorFlow's thread pools, then time a batched op and an iteration-parallel loop.
+
+    Setting a pool size must happen before TensorFlow's runtime starts in this process (use
+    ``run_in_subprocess``); None keeps TensorFlow's default (0: one thread per core).
+
+    Returns:
+      dict ``{"intra_op", "inter_op", "one batched pass_ms", "map_fn_ms"}`` with medians of
+      the per-example input gradients of an MLP (``features``-1024-10) on ``batch`` examples:
+      once as a single batched computation, once as ``tf.map_fn`` with
+      ``parallel_iterations=10`` in a ``tf.function``.
+    """
+    if intra_op is not None:
+        tf.config.threading.set_intra_op_parallelism_threads(intra_op)
+    if inter_op is not None:
+        tf.config.threading.set_inter_op_parallelism_threads(inter_op)
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((features,)), keras.layers.Dense(1024, activation="tanh"),
+                              keras.layers.Dense(10)])
+    x = np.random.default_rng(0).normal(size=(batch, features)).astype("float32")
+    timings = map_fn_timings(model, x, parallel_iterations=(10,), repeats=repeats, eager=False)
+    by_name = {t.name: t.median_ms for t in timings}
+    return {"intra_op": intra_op or "default", "inter_op": inter_op or "default",
+            "one batched pass_ms": by_name["one batched pass"],
+            "map_fn_ms": by_name["map_fn, tf.function, parallel_iterations=10"]}
+
+
+def input_gradient_benchmark(model, x, target, batch_sizes=(32, 128, 512, 2048),
+                             loop_max_batch=128, repeats=3):
+    """Time four ways of computing per-example input gradients of ``target`` at each batch size.
+
+    Methods: ``"loop"`` (one eager tape per example; skipped above ``loop_max_batch``),
+    ``"map_fn"`` (``tf.function``, ``parallel_iterations=10``), ``"vectorized_map"`` and
+    ``"single pass"`` (``gradtut.vectorize.input_gradients``: one backward pass of the summed
+    target). Ratios are against the single pass, timed in the same interleaved rounds.
+
+    Args:
+      model: Keras classifier ``[B, ...] -> [B, classes]``.
+      x: inputs ``[N, ...]`` with N >= max(batch_sizes); target: ``[N]`` class indices.
+
+    Returns:
+      list of dicts ``{"method", "batch_size", "median_ms", "ratio"}``.
+    """
+    from gradtut.vectorize import input_gradients
+
+    if len(x) < max(batch_sizes):
+        raise ValueError(f"x has {len(x)} examples; the largest batch size is {max(batch_sizes)}")
+
+    def one(args):
+        xi, ti = args
+        xi = xi[None]
+        with tf.GradientTape() as tape:
+            tape.watch(xi)
+            value = model(xi, training=False)[0, ti]
+        return tape.gradient(value, xi)[0]
+
+    mapped = tf.function(lambda xb, tb: tf.map_fn(one, (xb, tb), fn_output_signature=xb.dtype,
+                                                  parallel_iterations=10))
+    vectorized = tf.function(lambda xb, tb: tf.vectorized_map(one, (xb, tb)))
+
+    def loop(xb, tb):
+        return [one((tf.constant(xb[i]), int(tb[i]))) for i in range(len(xb))]
+
+    rows = []
+    for batch in batch_sizes:
+        xb, tb = x[:batch], np.asarray(target[:batch])
+        xt, tt = tf.constant(xb), tf.constant(tb)
+        calls = {"single pass": lambda: input_gradients(model, xb, target=tb),
+                 "vectorized_map": lambda: vectorized(xt, tt),
+                 "map_fn": lambda: mapped(xt, tt)}
+        if batch <= loop_max_batch:
+            calls["loop"] = lambda: loop(xb, tb)
+        for t in compare_timings(calls, reference="single pass", warmup=1, repeats=repeats):
+            rows.append({"method": t.name, "batch_size": batch, "median_ms": t.median_ms,
+                         "ratio": t.ratio})
+    return rows
