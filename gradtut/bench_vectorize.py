@@ -14,7 +14,7 @@ def per_example_input_gradient(model):
     """``f(x_i) -> d sum(model(x_i)) / d x_i`` for one example without its batch dimension."""
 
     def gradient(xi):
-        xi = xi[None]
+        xi = tf.convert_to_tensor(xi)[None]
         with tf.GradientTape() as tape:
             tape.watch(xi)
             value = tf.reduce_sum(model(xi, training=False))
@@ -52,17 +52,17 @@ def map_fn_timings(model, x, parallel_iterations=(1, 2, 4, 10), repeats=5, eager
     return compare_timings(calls, reference=next(iter(calls)), warmup=1, repeats=repeats)
 
 
-def threading_timings(intra_op=None, inter_op=None, batch=512, features=1024, repeats=5):
-    """Set TensorFlow's thread pools, then time a batched op and an iteration-parallel loop.
+def threading_timings(intra_op=None, inter_op=None, batch=256, features=1024, repeats=5):
+    """Set TensorFlow's thread pools, then time three workloads in interleaved rounds.
 
     Setting a pool size must happen before TensorFlow's runtime starts in this process (use
     ``run_in_subprocess``); None keeps TensorFlow's default (0: one thread per core).
 
     Returns:
-      dict ``{"intra_op", "inter_op", "one batched pass_ms", "map_fn_ms"}`` with medians of
-      the per-example input gradients of an MLP (``features``-1024-10) on ``batch`` examples:
-      once as a single batched computation, once as ``tf.map_fn`` with
-      ``parallel_iterations=10`` in a ``tf.function``.
+      dict with the settings and the median ms of: ``"matmul_ms"``, one 2048 x 2048 matmul (a
+      single large op); ``"batched_ms"``, per-example input gradients of an MLP
+      (``features``-1024-10) on ``batch`` examples as one batched computation; ``"map_fn_ms"``,
+      the same as ``tf.map_fn`` with ``parallel_iterations=10`` in a ``tf.function``.
     """
     if intra_op is not None:
         tf.config.threading.set_intra_op_parallelism_threads(intra_op)
@@ -73,12 +73,23 @@ def threading_timings(intra_op=None, inter_op=None, batch=512, features=1024, re
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((features,)), keras.layers.Dense(1024, activation="tanh"),
                               keras.layers.Dense(10)])
-    x = np.random.default_rng(0).normal(size=(batch, features)).astype("float32")
-    timings = map_fn_timings(model, x, parallel_iterations=(10,), repeats=repeats, eager=False)
-    by_name = {t.name: t.median_ms for t in timings}
+    x = tf.constant(np.random.default_rng(0).normal(size=(batch, features)).astype("float32"))
+    one = per_example_input_gradient(model)
+    square = tf.random.stateless_normal([2048, 2048], seed=[0, 0])
+    matmul = tf.function(lambda: tf.matmul(square, square))
+    mapped = tf.function(lambda v: tf.map_fn(one, v, parallel_iterations=10))
+
+    @tf.function
+    def batched(v):
+        with tf.GradientTape() as tape:
+            tape.watch(v)
+            value = tf.reduce_sum(model(v, training=False))
+        return tape.gradient(value, v)
+
+    timings = compare_timings({"matmul": matmul, "batched": lambda: batched(x),
+                               "map_fn": lambda: mapped(x)}, warmup=1, repeats=repeats)
     return {"intra_op": intra_op or "default", "inter_op": inter_op or "default",
-            "one batched pass_ms": by_name["one batched pass"],
-            "map_fn_ms": by_name["map_fn, tf.function, parallel_iterations=10"]}
+            **{f"{t.name}_ms": t.median_ms for t in timings}}
 
 
 def input_gradient_benchmark(model, x, target, batch_sizes=(32, 128, 512, 2048),

@@ -10,7 +10,7 @@ from gradtut.notebook_format import canonical
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 # Calls whose output varies from run to run: such cells must be marked, and only such cells.
-TIMING = re.compile(r"\b(compare_timings|time_callable|benchmark_per_example|peak_memory_bytes|"
+TIMING = re.compile(r"\b(\w*_timings|time_callable|\w*benchmark\w*|peak_memory_bytes|"
                     r"run_in_subprocess|perf_counter)\(")
 IGNORE = "# NBVAL_IGNORE_OUTPUT"
 LOG_NOISE = re.compile(r"^[IWEF]0000 |oneDNN custom operations|cpu_feature_guard|INFO:tensorflow|"
