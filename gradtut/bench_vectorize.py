@@ -23,6 +23,19 @@ def per_example_input_gradient(model):
     return gradient
 
 
+def batched_input_gradient(model):
+    """A ``tf.function`` ``x -> d sum(model(x)) / d x``: every example's input gradient at once."""
+
+    @tf.function
+    def batched(v):
+        with tf.GradientTape() as tape:
+            tape.watch(v)
+            value = tf.reduce_sum(model(v, training=False))
+        return tape.gradient(value, v)
+
+    return batched
+
+
 def map_fn_timings(model, x, parallel_iterations=(1, 2, 4, 10), repeats=5, eager=True):
     """Median ms of ``tf.map_fn`` over ``x`` with the per-example input gradient.
 
@@ -40,14 +53,7 @@ def map_fn_timings(model, x, parallel_iterations=(1, 2, 4, 10), repeats=5, eager
         calls[f"map_fn, tf.function, parallel_iterations={p}"] = lambda fn=fn: fn(x)
     vectorized = tf.function(lambda v: tf.vectorized_map(one, v))
     calls["vectorized_map"] = lambda: vectorized(x)
-
-    @tf.function
-    def batched(v):
-        with tf.GradientTape() as tape:
-            tape.watch(v)
-            value = tf.reduce_sum(model(v, training=False))
-        return tape.gradient(value, v)
-
+    batched = batched_input_gradient(model)
     calls["one batched pass"] = lambda: batched(x)
     return compare_timings(calls, reference=next(iter(calls)), warmup=1, repeats=repeats)
 
@@ -78,14 +84,7 @@ def threading_timings(intra_op=None, inter_op=None, batch=256, features=1024, re
     square = tf.random.stateless_normal([2048, 2048], seed=[0, 0])
     matmul = tf.function(lambda: tf.matmul(square, square))
     mapped = tf.function(lambda v: tf.map_fn(one, v, parallel_iterations=10))
-
-    @tf.function
-    def batched(v):
-        with tf.GradientTape() as tape:
-            tape.watch(v)
-            value = tf.reduce_sum(model(v, training=False))
-        return tape.gradient(value, v)
-
+    batched = batched_input_gradient(model)
     timings = compare_timings({"matmul": matmul, "batched": lambda: batched(x),
                                "map_fn": lambda: mapped(x)}, warmup=1, repeats=repeats)
     return {"intra_op": intra_op or "default", "inter_op": inter_op or "default",
