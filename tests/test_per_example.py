@@ -319,3 +319,16 @@ def test_dropout_under_jacobian_draws_a_mask_per_example():
     assert len({row.tobytes() for row in kernel}) > 1
     same = per_example_gradients(model, LOSS, x, y, "jacobian", training=False)[0].numpy()
     assert np.allclose(same, same[:1])
+
+
+def test_vectorized_method_has_no_silent_while_loop_on_dense_models(models):
+    """pfor must convert every op of the MLP's per-example gradient: no while_loop fallback."""
+    from gradtut.per_example import _one_example_gradients
+    from gradtut.vectorize import vectorization_report
+
+    model = models["mlp"]
+    x, y = batch_for("mlp", 4)
+    one = _one_example_gradients(model, LOSS, model.trainable_variables, False)
+    report = vectorization_report(lambda xy: one(*xy), (tf.constant(x), tf.constant(y)))
+    assert report.vectorized, report.fallback_ops
+    assert_gradients_close(report.result, per_example_gradients(model, LOSS, x, y, "loop"), **TOL)
