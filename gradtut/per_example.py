@@ -18,7 +18,10 @@ Methods of :func:`per_example_gradients`:
 
 The one-pass methods (``"outer"``, ghost norms, :func:`clipped_gradient`) are valid because
 examples do not interact in the forward pass; models where they do (BatchNormalization in
-training mode) are refused.
+training mode) are refused. They also assume that a supported layer's variables are used only
+inside that layer's own calls (a layer called several times is fine). Weight tying that reads
+``layer.kernel`` from somewhere else (say, a custom output layer reusing an Embedding's table)
+is not detected: check such a model once against ``method="loop"`` on a small batch.
 """
 import contextlib
 import weakref
