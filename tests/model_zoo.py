@@ -2,6 +2,9 @@
 import keras
 import numpy as np
 
+# The test process runs with this many virtual CPUs, so data-parallel tests can use up to 4
+# replicas; everything else runs on CPU:0 as usual.
+TEST_VIRTUAL_CPUS = 4
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
 CLASSES = 3
 

@@ -5,6 +5,9 @@ import sys
 import pytest
 
 import gradtut
+from model_zoo import TEST_VIRTUAL_CPUS
+
+AS_CONFTEST = {"virtual_cpus": TEST_VIRTUAL_CPUS}
 
 
 def run_python(code, **env):
@@ -15,8 +18,8 @@ def run_python(code, **env):
 
 
 def test_setup_is_idempotent_and_reports_the_allocator():
-    first = gradtut.setup(seed=0)
-    again = gradtut.setup(seed=0)
+    first = gradtut.setup(seed=0, **AS_CONFTEST)
+    again = gradtut.setup(seed=0, **AS_CONFTEST)
     assert first == again
     assert first["bfc_allocator"] is True
     assert first["tensorflow"].startswith("2.21.")
@@ -24,16 +27,18 @@ def test_setup_is_idempotent_and_reports_the_allocator():
 
 def test_setup_reseeds_so_a_rerun_cell_repeats_its_numbers():
     import tensorflow as tf
-    gradtut.setup(seed=3)
+    gradtut.setup(seed=3, **AS_CONFTEST)
     a = tf.random.uniform([3]).numpy()
-    gradtut.setup(seed=3)
+    gradtut.setup(seed=3, **AS_CONFTEST)
     assert (tf.random.uniform([3]).numpy() == a).all()
-    gradtut.setup(seed=0)
+    gradtut.setup(seed=0, **AS_CONFTEST)
 
 
 def test_a_different_device_count_in_the_same_process_says_restart():
     with pytest.raises(gradtut.RestartKernelError, match="Restart the kernel"):
         gradtut.setup(seed=0, virtual_cpus=2)
+    with pytest.raises(gradtut.RestartKernelError, match="Restart the kernel"):
+        gradtut.setup(seed=0)  # one CPU device, but this process started with 4
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.0, "2"])
