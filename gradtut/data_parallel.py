@@ -205,3 +205,244 @@ def single_device_step(model, loss_fn, optimizer, x, y):
     optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
     return loss
 
+
+
+# --------------------------------------------------------------------- local multi-worker runs
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed or timed out; every worker has been stopped."""
+
+
+def _free_loopback_ports(count):
+    """``count`` distinct free TCP ports on 127.0.0.1 (bound, read, released)."""
+    import socket
+
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    except OSError as err:
+        raise WorkerError(f"could not find {count} free loopback ports ({err}); stop other "
+                          "servers or use fewer workers") from None
+    finally:
+        for s in sockets:
+            s.close()
+
+
+_WORKER_MAIN = """
+import importlib, json, os, sys
+module_name, function_name, kwargs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+result = getattr(importlib.import_module(module_name), function_name)(**kwargs)
+sys.stdout.write("\\n@@RESULT@@" + json.dumps(result))
+"""
+
+
+def _tail(path, lines=20):
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return "\n".join(f.read().strip().splitlines()[-lines:])
+
+
+def launch_local_workers(target, num_workers, timeout_s, kwargs=None, ports=None, env=None):
+    """Run ``target`` in ``num_workers`` processes that form a ``MultiWorkerMirroredStrategy``
+    cluster on this machine, and return what each returned.
+
+    Each process gets ``TF_CONFIG`` with a cluster of ``num_workers`` workers at
+    ``127.0.0.1:<free port>`` and its own task index, so
+    ``tf.distribute.MultiWorkerMirroredStrategy()`` inside ``target`` connects them.
+
+    Security: TensorFlow's gRPC servers have **no authentication**: anyone who can reach a
+    worker's port can run ops in it. The cluster addresses here are loopback only, so the
+    workers talk over 127.0.0.1, but TensorFlow's server itself listens on every interface
+    (``*:port``, seen with ``ss -ltn`` while workers run; TensorFlow has no setting to bind
+    it to one address). The ports are open only while the workers run; on a shared network,
+    firewall them or run inside a network namespace. On a real cluster keep workers on a
+    private network.
+
+    Args:
+      target: ``"package.module:function"``, or a module-level function (not one defined in a
+        notebook: the workers import it). It is called as ``function(**kwargs)`` and must return
+        something JSON-serialisable. Or a path to a ``.py`` script, run as ``python script``.
+      num_workers: positive int.
+      timeout_s: seconds for the whole run; then every worker is killed.
+      kwargs: JSON-serialisable keyword arguments for ``target``.
+      ports: the ports to use (default: free ones found on 127.0.0.1).
+      env: extra environment variables for every worker.
+
+    Returns:
+      list, one dict per worker: ``{"index", "returncode", "result", "stdout", "stderr"}`` (result
+      is None for a script).
+
+    Raises:
+      ValueError: ``num_workers`` not a positive int, fewer ``ports`` than workers, a target
+        that cannot be imported by a worker.
+      WorkerError: a worker exited with an error, or the timeout passed. The message names the
+        worker and shows the tail of its stderr; all workers are stopped first, so nothing hangs.
+
+    Example:
+      >>> results = launch_local_workers("gradtut.data_parallel:train_synthetic", 2, 120,
+      ...                                kwargs={"steps": 4})  # doctest: +SKIP
+    """
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    if not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
+    if callable(target):
+        if target.__module__ == "__main__" or "<locals>" in target.__qualname__:
+            raise ValueError(f"workers cannot import {target.__qualname__!r} (defined in "
+                             "__main__ or inside a function): move it to a module, or pass a script")
+        target = f"{target.__module__}:{target.__qualname__}"
+    if ports is None:
+        ports = _free_loopback_ports(num_workers)
+    if len(ports) < num_workers:
+        raise ValueError(f"{num_workers} workers need {num_workers} ports; got {len(ports)} "
+                         "(more workers than free ports)")
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports[:num_workers]]}
+    if target.endswith(".py"):
+        command = [sys.executable, target]
+    else:
+        module, _, function = target.partition(":")
+        if not function:
+            raise ValueError(f"target {target!r} must be 'module:function' or a .py script")
+        command = [sys.executable, "-c", _WORKER_MAIN, module, function, json.dumps(kwargs or {})]
+
+    logs = tempfile.mkdtemp(prefix="gradtut-workers-")
+    procs, files = [], []
+    try:
+        for index in range(num_workers):
+            worker_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {}),
+                          "TF_CONFIG": json.dumps({"cluster": cluster,
+                                                   "task": {"type": "worker", "index": index}})}
+            out = open(os.path.join(logs, f"{index}.out"), "w+", encoding="utf-8")
+            err = open(os.path.join(logs, f"{index}.err"), "w+", encoding="utf-8")
+            files += [out, err]
+            procs.append(subprocess.Popen(command, stdout=out, stderr=err, env=worker_env,
+                                          stdin=subprocess.DEVNULL, start_new_session=True))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                i = failed[0]
+                raise WorkerError(f"worker {i} of {num_workers} exited with code {codes[i]}; "
+                                  f"stopped the others. Its stderr ends with:\n"
+                                  f"{_tail(os.path.join(logs, f'{i}.err'))}")
+            if all(c == 0 for c in codes):
+                break
+            if time.monotonic() > deadline:
+                waiting = [i for i, c in enumerate(codes) if c is None]
+                raise WorkerError(f"workers {waiting} still running after {timeout_s} s; stopped "
+                                  f"all of them. Worker {waiting[0]}'s stderr ends with:\n"
+                                  f"{_tail(os.path.join(logs, f'{waiting[0]}.err'))}")
+            time.sleep(0.1)
+        results = []
+        for index in range(num_workers):
+            stdout = open(os.path.join(logs, f"{index}.out"), encoding="utf-8").read()
+            stderr = open(os.path.join(logs, f"{index}.err"), encoding="utf-8").read()
+            result = (json.loads(stdout.rsplit("@@RESULT@@", 1)[1])
+                      if "@@RESULT@@" in stdout else None)
+            results.append({"index": index, "returncode": 0, "result": result,
+                            "stdout": stdout.split("\n@@RESULT@@")[0], "stderr": stderr})
+        return results
+    finally:
+        for p in procs:  # each worker leads its own process group: stop it and its children
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            p.wait()
+        for f in files:
+            f.close()
+        for name in os.listdir(logs):
+            os.remove(os.path.join(logs, name))
+        os.rmdir(logs)
+
+
+def train_synthetic(steps, global_batch_size=16, checkpoint_dir=None, checkpoint_every=2,
+                    crash_at_step=None, mirrored_replicas=None, seed=0):
+    """A small, fully deterministic custom training loop, resumable from checkpoints.
+
+    Runs under ``MultiWorkerMirroredStrategy`` when ``TF_CONFIG`` is set (as in
+    :func:`launch_local_workers`), under ``MirroredStrategy`` over ``/cpu:0..`` when
+    ``mirrored_replicas`` is given, else on one device. Trains an MLP 8-16-3 with Adam on
+    fixed synthetic data, ``steps`` global batches in all.
+
+    Fault tolerance: every ``checkpoint_every`` steps the model, the optimizer state and the
+    step counter (which is also the data position) are saved with ``tf.train.CheckpointManager``
+    to ``checkpoint_dir`` by the chief (worker 0); other workers write to a scratch directory,
+    because every worker must take part in saving. A run that finds a checkpoint there resumes
+    from it and skips the batches already trained on.
+
+    Args:
+      crash_at_step: if set, the last worker exits abruptly (``os._exit``) before that step, to
+        simulate a machine failure.
+
+    Returns:
+      dict ``{"weights": nested lists, "start_step": int, "steps": int, "task": int}``.
+    """
+    import os
+    import shutil
+
+    import keras
+    import numpy as np
+
+    if "TF_CONFIG" in os.environ:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        task, workers = strategy.cluster_resolver.task_id, strategy.num_replicas_in_sync
+    elif mirrored_replicas:
+        strategy = tf.distribute.MirroredStrategy(
+            [f"/cpu:{i}" for i in range(mirrored_replicas)],
+            cross_device_ops=tf.distribute.ReductionToOneDevice())
+        task, workers = 0, 1
+    else:
+        strategy, task, workers = tf.distribute.get_strategy(), 0, 1
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(steps * global_batch_size, 8)).astype("float32")
+    y = rng.integers(0, 3, size=steps * global_batch_size)
+    with strategy.scope():
+        keras.utils.set_random_seed(seed)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+                                  keras.layers.Dense(3)])
+        optimizer = keras.optimizers.Adam(0.01)
+        optimizer.build(model.trainable_variables)
+        step = tf.Variable(0, dtype=tf.int64, trainable=False)
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, step=step)
+    manager = scratch = None
+    if checkpoint_dir:
+        if checkpoint_dir and tf.train.latest_checkpoint(checkpoint_dir):
+            checkpoint.restore(tf.train.latest_checkpoint(checkpoint_dir)).assert_consumed()
+        directory = checkpoint_dir if task == 0 else os.path.join(checkpoint_dir, f".worker{task}")
+        scratch = None if task == 0 else directory
+        manager = tf.train.CheckpointManager(checkpoint, directory, max_to_keep=2)
+    start = int(step.numpy())
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    train_step = make_train_step(strategy, model, loss_fn, optimizer, global_batch_size)
+    batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch_size).skip(start)
+    if workers > 1:  # one replica per worker: worker i takes rows i, i+n, ... of each batch
+        def shard(context):
+            return batches.map(lambda xb, yb: (xb[context.input_pipeline_id::workers],
+                                               yb[context.input_pipeline_id::workers]))
+        distributed = strategy.distribute_datasets_from_function(shard)
+    else:
+        distributed = strategy.experimental_distribute_dataset(batches)
+    for batch in distributed:
+        if crash_at_step is not None and int(step.numpy()) == crash_at_step and task == workers - 1:
+            os._exit(17)  # pylint: disable=protected-access  (a simulated machine failure)
+        train_step(batch)
+        step.assign_add(1)
+        if manager and int(step.numpy()) % checkpoint_every == 0:
+            manager.save(checkpoint_number=int(step.numpy()))
+    if scratch:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {"weights": [w.tolist() for w in model.get_weights()], "start_step": start,
+            "steps": int(step.numpy()), "task": task}

@@ -114,3 +114,71 @@ def test_bad_arguments_get_clear_errors():
     distributed, _ = batches(strategy, *data(8), 8)
     with pytest.raises(ValueError, match=r"per-example losses of shape \[B\]"):
         step(next(iter(distributed)))
+
+
+# ------------------------------------------------------------------ local multi-worker runs
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+
+from gradtut.data_parallel import WorkerError, launch_local_workers, train_synthetic  # noqa: E402
+
+
+def no_process_matches(pattern):
+    return subprocess.run(["pgrep", "-f", pattern], capture_output=True).returncode == 1
+
+
+def test_workers_get_a_loopback_cluster_in_tf_config():
+    results = launch_local_workers("os:getenv", 3, timeout_s=60, kwargs={"key": "TF_CONFIG"})
+    configs = [json.loads(r["result"]) for r in results]
+    assert [c["task"] for c in configs] == [{"type": "worker", "index": i} for i in range(3)]
+    addresses = configs[0]["cluster"]["worker"]
+    assert len(set(addresses)) == 3 and all(a.startswith("127.0.0.1:") for a in addresses)
+    assert all(c["cluster"] == configs[0]["cluster"] for c in configs)
+
+
+def test_two_workers_end_identical_and_equal_a_two_replica_mirrored_run():
+    results = launch_local_workers("gradtut.data_parallel:train_synthetic", 2, timeout_s=240,
+                                   kwargs={"steps": 6})
+    w0, w1 = ([np.array(w) for w in r["result"]["weights"]] for r in results)
+    assert all(np.array_equal(a, b) for a, b in zip(w0, w1))
+    mirrored = train_synthetic(6, mirrored_replicas=2)["weights"]
+    assert_gradients_close(w0, [np.array(w) for w in mirrored], **TOL)
+    single = train_synthetic(6)["weights"]
+    assert_gradients_close(w0, [np.array(w) for w in single], **TOL)
+
+
+def test_a_killed_worker_fails_fast_and_the_rerun_resumes_from_the_checkpoint(tmp_path):
+    kwargs = {"steps": 8, "checkpoint_dir": str(tmp_path), "checkpoint_every": 2}
+    with pytest.raises(WorkerError, match=r"worker 1 of 2 exited with code 17"):
+        launch_local_workers("gradtut.data_parallel:train_synthetic", 2, timeout_s=120,
+                             kwargs={**kwargs, "crash_at_step": 5})
+    assert no_process_matches("train_synthetic")
+    results = launch_local_workers("gradtut.data_parallel:train_synthetic", 2, timeout_s=240,
+                                   kwargs=kwargs)
+    assert [r["result"]["start_step"] for r in results] == [4, 4]
+    uninterrupted = train_synthetic(8)["weights"]
+    assert_gradients_close([np.array(w) for w in results[0]["result"]["weights"]],
+                           [np.array(w) for w in uninterrupted], **TOL)
+
+
+def test_a_target_that_raises_is_named_with_its_stderr():
+    with pytest.raises(WorkerError, match=r"(?s)worker \d of 2 exited with code 1.*JSONDecodeError"):
+        launch_local_workers("json:loads", 2, timeout_s=60, kwargs={"s": "{"})
+
+
+def test_a_hanging_worker_is_killed_at_the_timeout():
+    with pytest.raises(WorkerError, match=r"still running after 2 s; stopped all of them"):
+        launch_local_workers("signal:pause", 2, timeout_s=2)
+    assert no_process_matches("signal pause")
+
+
+def test_launcher_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="more workers than free ports"):
+        launch_local_workers("os:getpid", 2, timeout_s=10, ports=[12345])
+    with pytest.raises(ValueError, match="num_workers must be a positive int"):
+        launch_local_workers("os:getpid", 0, timeout_s=10)
+    with pytest.raises(ValueError, match="move it to a module"):
+        launch_local_workers(lambda: 1, 1, timeout_s=10)
+    with pytest.raises(ValueError, match="must be 'module:function' or a .py script"):
+        launch_local_workers("os.getpid", 1, timeout_s=10)
