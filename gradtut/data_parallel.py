@@ -332,10 +332,14 @@ def launch_local_workers(target, num_workers, timeout_s, kwargs=None, ports=None
             codes = [p.poll() for p in procs]
             failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                i = failed[0]
-                raise WorkerError(f"worker {i} of {num_workers} exited with code {codes[i]}; "
-                                  f"stopped the others. Its stderr ends with:\n"
-                                  f"{_tail(os.path.join(logs, f'{i}.err'))}")
+                first = failed[0]  # the earliest failure is most likely the root cause
+                time.sleep(0.5)  # let the failures it causes in its peers show up too
+                codes = [p.poll() for p in procs]
+                failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+                which = "; ".join(f"worker {i} of {num_workers} exited with code {codes[i]}"
+                                  for i in [first] + [i for i in failed if i != first])
+                raise WorkerError(f"{which}; stopped the others. Worker {first}'s stderr ends "
+                                  f"with:\n{_tail(os.path.join(logs, f'{first}.err'))}")
             if all(c == 0 for c in codes):
                 break
             if time.monotonic() > deadline:
@@ -388,10 +392,13 @@ def train_synthetic(steps, global_batch_size=16, checkpoint_dir=None, checkpoint
         simulate a machine failure.
 
     Returns:
-      dict ``{"weights": nested lists, "start_step": int, "steps": int, "task": int}``.
+      dict ``{"weights": nested lists, "start_step": int, "steps": int, "task": int,
+      "median_step_ms": float}`` (the step time leaves out the first, tracing, step).
     """
     import os
     import shutil
+    import statistics
+    import time
 
     import keras
     import numpy as np
@@ -435,14 +442,70 @@ def train_synthetic(steps, global_batch_size=16, checkpoint_dir=None, checkpoint
         distributed = strategy.distribute_datasets_from_function(shard)
     else:
         distributed = strategy.experimental_distribute_dataset(batches)
+    step_seconds = []
     for batch in distributed:
         if crash_at_step is not None and int(step.numpy()) == crash_at_step and task == workers - 1:
             os._exit(17)  # pylint: disable=protected-access  (a simulated machine failure)
-        train_step(batch)
+        began = time.perf_counter()
+        float(train_step(batch))  # float(): wait for the step to finish
+        step_seconds.append(time.perf_counter() - began)
         step.assign_add(1)
         if manager and int(step.numpy()) % checkpoint_every == 0:
             manager.save(checkpoint_number=int(step.numpy()))
     if scratch:
         shutil.rmtree(scratch, ignore_errors=True)
     return {"weights": [w.tolist() for w in model.get_weights()], "start_step": start,
-            "steps": int(step.numpy()), "task": task}
+            "steps": int(step.numpy()), "task": task,
+            "median_step_ms": 1e3 * statistics.median(step_seconds[1:] or step_seconds or [0.0])}
+
+
+def fit_under_multi_worker(steps=4, global_batch_size=16):
+    """``model.fit`` under ``MultiWorkerMirroredStrategy``: fails with Keras 3 (keras issue 20585,
+    tensorflow issue 72388). Kept so notebook 03 can show the real error from real workers."""
+    import keras
+    import numpy as np
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+        model.compile(optimizer="sgd",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(steps * global_batch_size, 8)).astype("float32")
+    y = rng.integers(0, 3, size=steps * global_batch_size)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch_size)
+    model.fit(dataset, epochs=1, verbose=0)
+    return "fit finished"
+
+
+# ---------------------------------------------------------------- the all-reduce cost model
+
+
+def ring_allreduce_seconds(gradient_bytes, workers, bandwidth_bytes_per_s, latency_s=0.0):
+    """Time of a ring all-reduce of ``gradient_bytes`` over ``workers``, by the standard model.
+
+    Each worker sends and receives ``2 (N - 1) / N`` times the gradient's size (a
+    reduce-scatter then an all-gather, each ``N - 1`` steps of ``1/N`` of the data), over links
+    of ``bandwidth_bytes_per_s``, plus ``2 (N - 1)`` message latencies. A model, not a
+    measurement: it ignores overlap with computation, congestion and protocol overhead.
+
+    Example:
+      >>> round(ring_allreduce_seconds(4e8, 8, 12.5e9), 4)   # 100M float32 over 100 Gb/s
+      0.056
+    """
+    if workers < 1 or gradient_bytes < 0 or bandwidth_bytes_per_s <= 0:
+        raise ValueError("need workers >= 1, gradient_bytes >= 0 and a positive bandwidth")
+    if workers == 1:
+        return 0.0
+    steps = 2 * (workers - 1)
+    return steps / workers * gradient_bytes / bandwidth_bytes_per_s + steps * latency_s
+
+
+def predicted_step_seconds(compute_seconds_per_example, global_batch_size, gradient_bytes,
+                           workers, bandwidth_bytes_per_s, latency_s=0.0):
+    """Data-parallel step time by a simple model: each worker's compute on its share of the
+    global batch, then a ring all-reduce that does not overlap with it. A model, not a
+    measurement; real frameworks overlap communication with the backward pass."""
+    compute = compute_seconds_per_example * global_batch_size / workers
+    return compute + ring_allreduce_seconds(gradient_bytes, workers, bandwidth_bytes_per_s,
+                                            latency_s)

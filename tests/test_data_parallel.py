@@ -182,3 +182,26 @@ def test_launcher_rejects_bad_arguments():
         launch_local_workers(lambda: 1, 1, timeout_s=10)
     with pytest.raises(ValueError, match="must be 'module:function' or a .py script"):
         launch_local_workers("os.getpid", 1, timeout_s=10)
+
+
+# ----------------------------------------------------------------------- all-reduce model
+
+from gradtut.data_parallel import predicted_step_seconds, ring_allreduce_seconds  # noqa: E402
+
+
+def test_ring_allreduce_moves_two_n_minus_one_over_n_of_the_gradient():
+    gb = 1e9
+    assert ring_allreduce_seconds(gb, 1, 1e9) == 0.0
+    assert ring_allreduce_seconds(gb, 2, 1e9) == pytest.approx(1.0)        # 2 * 1/2
+    assert ring_allreduce_seconds(gb, 4, 1e9) == pytest.approx(1.5)        # 2 * 3/4
+    assert ring_allreduce_seconds(gb, 4, 1e9, latency_s=0.01) == pytest.approx(1.5 + 6 * 0.01)
+    assert ring_allreduce_seconds(gb, 1000, 1e9) < 2.0
+
+
+def test_predicted_step_time_adds_split_compute_and_communication():
+    assert predicted_step_seconds(1e-3, 1024, 0, 4, 1e9) == pytest.approx(0.256)
+    assert predicted_step_seconds(1e-3, 1024, 1e9, 2, 1e9) == pytest.approx(0.512 + 1.0)
+    with pytest.raises(ValueError, match="positive bandwidth"):
+        ring_allreduce_seconds(1e9, 2, 0)
+    with pytest.raises(ValueError, match="workers >= 1"):
+        ring_allreduce_seconds(1e9, 0, 1e9)
