@@ -233,6 +233,18 @@ def _free_loopback_ports(count):
             s.close()
 
 
+def _die_with_parent():
+    """In the child, before exec: ask Linux to SIGKILL this worker if its parent dies, so even a
+    killed notebook kernel leaves no worker behind (elsewhere this is a no-op)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 _WORKER_MAIN = """
 import importlib, json, os, sys
 module_name, function_name, kwargs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
@@ -326,7 +338,8 @@ def launch_local_workers(target, num_workers, timeout_s, kwargs=None, ports=None
             err = open(os.path.join(logs, f"{index}.err"), "w+", encoding="utf-8")
             files += [out, err]
             procs.append(subprocess.Popen(command, stdout=out, stderr=err, env=worker_env,
-                                          stdin=subprocess.DEVNULL, start_new_session=True))
+                                          stdin=subprocess.DEVNULL, start_new_session=True,
+                                          preexec_fn=_die_with_parent))
         deadline = time.monotonic() + timeout_s
         while True:
             codes = [p.poll() for p in procs]

@@ -205,3 +205,32 @@ def test_predicted_step_time_adds_split_compute_and_communication():
         ring_allreduce_seconds(1e9, 2, 0)
     with pytest.raises(ValueError, match="workers >= 1"):
         ring_allreduce_seconds(1e9, 0, 1e9)
+
+
+def test_workers_die_with_a_killed_parent():
+    """A notebook kernel killed outright (no finally blocks run) still leaves no worker."""
+    import signal
+    import sys
+    import time
+
+    parent = subprocess.Popen([sys.executable, "-c",
+                               "from gradtut.data_parallel import launch_local_workers; "
+                               "launch_local_workers('signal:pause', 2, timeout_s=600)"])
+    try:
+        for _ in range(100):  # wait until both workers are up
+            if subprocess.run(["pgrep", "-f", "signal pause"], capture_output=True,
+                              text=True).stdout.count("\n") >= 2:
+                break
+            time.sleep(0.1)
+        assert not no_process_matches("signal pause")
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        for _ in range(50):
+            if no_process_matches("signal pause"):
+                break
+            time.sleep(0.1)
+        assert no_process_matches("signal pause")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
