@@ -439,7 +439,7 @@ def train_synthetic(steps, global_batch_size=16, checkpoint_dir=None, checkpoint
     checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, step=step)
     manager = scratch = None
     if checkpoint_dir:
-        if checkpoint_dir and tf.train.latest_checkpoint(checkpoint_dir):
+        if tf.train.latest_checkpoint(checkpoint_dir):
             checkpoint.restore(tf.train.latest_checkpoint(checkpoint_dir)).assert_consumed()
         directory = checkpoint_dir if task == 0 else os.path.join(checkpoint_dir, f".worker{task}")
         scratch = None if task == 0 else directory

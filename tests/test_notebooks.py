@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 # Calls whose output varies from run to run: such cells must be marked, and only such cells.
 TIMING = re.compile(r"\b(\w*_timings|time_callable|\w*benchmark\w*|peak_memory_bytes|"
-                    r"run_in_subprocess|perf_counter)\(")
+                    r"run_in_subprocess|perf_counter)\(|\bmedian_\w*ms\b")
 IGNORE = "# NBVAL_IGNORE_OUTPUT"
 LOG_NOISE = re.compile(r"^[IWEF]0000 |oneDNN custom operations|cpu_feature_guard|INFO:tensorflow|"
                        r"WARNING:tensorflow|ms/step|absl::InitializeLog", re.M)
