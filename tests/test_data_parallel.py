@@ -234,3 +234,12 @@ def test_workers_die_with_a_killed_parent():
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+
+
+def test_a_script_target_runs_in_every_worker(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text("import json, os\n"
+                      "print('task', json.loads(os.environ['TF_CONFIG'])['task']['index'])\n")
+    results = launch_local_workers(str(script), 2, timeout_s=60)
+    assert [r["stdout"].strip() for r in results] == ["task 0", "task 1"]
+    assert [r["result"] for r in results] == [None, None]
