@@ -87,3 +87,18 @@ def test_plot_draws_one_line_per_method():
     assert [line.get_label() for line in ax.get_lines()] == ["a", "b"]
     assert list(ax.get_lines()[1].get_ydata()) == [64.0, 128.0]
     assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title()
+
+
+def test_benchmark_helpers_reject_bad_arguments():
+    import keras
+    import numpy as np
+
+    from gradtut.bench_per_example import benchmark_per_example
+    from gradtut.bench_vectorize import input_gradient_benchmark
+
+    with pytest.raises(ValueError, match=r"unknown methods \['fastest'\]"):
+        benchmark_per_example(batch_sizes=(4,), methods=("outer", "fastest"))
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="x has 8 examples; the largest batch size is 32"):
+        input_gradient_benchmark(model, np.zeros((8, 3), "float32"), np.zeros(8, "int64"),
+                                 batch_sizes=(4, 32))
