@@ -546,9 +546,9 @@ def per_example_gradient_norms(model, loss_fn, x, y, method="ghost", *, training
       TensorShape([32])
     """
     x, y, _ = _check_call(model, loss_fn, x, y, training, method, NORM_METHODS)
-    if method != "ghost":
-        return _norms_from_grads(per_example_gradients(model, loss_fn, x, y, method,
-                                                       training=training))
+    if method != "ghost":  # arguments are checked: go straight to the implementation
+        return _norms_from_grads(_IMPLEMENTATIONS[method](model, loss_fn, x, y, training,
+                                                          model.trainable_variables))
 
     def build():
         ghost = _ghost_sq_norms_fn(model, loss_fn, training)
