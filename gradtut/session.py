@@ -56,7 +56,8 @@ def _runtime_started():
     return context.context()._context_handle is not None  # pylint: disable=protected-access
 
 
-def setup(seed=0, virtual_cpus=None, bfc_allocator=True, deterministic=True):
+def setup(seed=0, virtual_cpus=None, bfc_allocator=True, deterministic=True,
+          intra_op_threads=None):
     """Prepare TensorFlow for a notebook: quiet logs, seeds, determinism, allocator, devices.
 
     Call it once, first, in a notebook's set-up cell; calling it again with the same arguments
@@ -75,6 +76,9 @@ def setup(seed=0, virtual_cpus=None, bfc_allocator=True, deterministic=True):
         notebook 01 measures materialised per-example gradients about 5x faster with it.
         Setting it costs nothing where it does not help, so it is on by default.
       deterministic: call ``tf.config.experimental.enable_op_determinism()``.
+      intra_op_threads: None for TensorFlow's default (every core works on each op), or N >= 1
+        threads per op. Notebook 04 uses 1, so that two pipeline stages on two virtual CPUs
+        each get one core, the way two real devices would each have their own.
 
     Returns:
       dict with ``"tensorflow"``, ``"keras"``, ``"devices"`` (logical device names) and
@@ -83,7 +87,7 @@ def setup(seed=0, virtual_cpus=None, bfc_allocator=True, deterministic=True):
     Raises:
       RestartKernelError: TensorFlow already started in this process with a different device
         count or allocator; the message says to restart the kernel and run this cell first.
-      ValueError: ``virtual_cpus`` is not a positive integer.
+      ValueError: ``virtual_cpus`` or ``intra_op_threads`` is not a positive integer.
 
     Example:
       >>> import gradtut
@@ -94,13 +98,17 @@ def setup(seed=0, virtual_cpus=None, bfc_allocator=True, deterministic=True):
     global _applied
     if virtual_cpus is not None and (not isinstance(virtual_cpus, int) or virtual_cpus < 1):
         raise ValueError(f"virtual_cpus must be None or a positive int, got {virtual_cpus!r}")
-    settings = (virtual_cpus, bool(bfc_allocator), bool(deterministic))
+    if intra_op_threads is not None and (not isinstance(intra_op_threads, int)
+                                         or intra_op_threads < 1):
+        raise ValueError(f"intra_op_threads must be None or a positive int, got "
+                         f"{intra_op_threads!r}")
+    settings = (virtual_cpus, bool(bfc_allocator), bool(deterministic), intra_op_threads)
     if _applied is not None and _applied != settings:
         raise RestartKernelError(
             f"gradtut.setup() already ran in this process with virtual_cpus={_applied[0]}, "
-            f"bfc_allocator={_applied[1]}, deterministic={_applied[2]}; TensorFlow cannot change "
-            "these once it has started. Restart the kernel (Kernel > Restart Kernel) and run "
-            "the set-up cell first."
+            f"bfc_allocator={_applied[1]}, deterministic={_applied[2]}, "
+            f"intra_op_threads={_applied[3]}; TensorFlow cannot change these once it has "
+            "started. Restart the kernel (Kernel > Restart Kernel) and run the set-up cell first."
         )
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -129,6 +137,15 @@ def setup(seed=0, virtual_cpus=None, bfc_allocator=True, deterministic=True):
                         "run gradtut.setup(...) in the first cell, before any other TensorFlow "
                         "code."
                     ) from None
+        if intra_op_threads is not None:
+            current_threads = tf.config.threading.get_intra_op_parallelism_threads()
+            if started_before and current_threads != intra_op_threads:
+                raise RestartKernelError(
+                    f"TensorFlow already started with intra_op_threads={current_threads or 'default'}"
+                    f", so it cannot switch to {intra_op_threads}. Restart the kernel and run "
+                    "gradtut.setup(...) in the first cell.")
+            if not started_before:
+                tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
         devices = [d.name for d in tf.config.list_logical_devices()]  # starts the runtime
 
     has_stats = _allocator_reports_memory(tf)

@@ -84,3 +84,19 @@ def test_setup_first_gives_allocator_statistics_even_without_onednn():
                       TF_ENABLE_ONEDNN_OPTS="0")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "True"
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.0, "1"])
+def test_intra_op_threads_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="intra_op_threads must be None or a positive int"):
+        gradtut.setup(intra_op_threads=bad, **AS_CONFTEST)
+
+
+def test_intra_op_threads_is_applied_and_cannot_change_later():
+    proc = run_python("import gradtut; gradtut.setup(virtual_cpus=2, intra_op_threads=1); "
+                      "import tensorflow as tf; tf.ones(1); "
+                      "print(tf.config.threading.get_intra_op_parallelism_threads())")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "1"
+    with pytest.raises(gradtut.RestartKernelError, match="intra_op_threads"):
+        gradtut.setup(intra_op_threads=1, **AS_CONFTEST)  # this process started with default
