@@ -213,10 +213,15 @@ def place_stages(layers, devices, boundaries=None, input_shape=None):
 # --- the GPipe pipeline, measured -----------------------------------------------------------
 
 def _clock_after(*tensors):
-    """Wall-clock seconds, read once ``tensors`` exist. ``tf.timestamp`` would be the natural
-    op, but TensorFlow refuses it under op determinism, so Python's clock is read instead."""
-    with tf.control_dependencies([t for t in tensors if t is not None]):
-        return tf.py_function(time.perf_counter, [], tf.float64)
+    """Wall-clock seconds, read once ``tensors`` exist.
+
+    ``tf.timestamp`` and ``tf.py_function`` are stateful, and ``tf.function`` runs stateful ops
+    in program order, which would serialise every stage. A stateless ``numpy_function`` fed one
+    element of each tensor runs as soon as they exist, and no sooner.
+    """
+    probe = tf.stack([tf.cast(tf.reshape(t, [-1])[0], tf.float64)
+                      for t in tensors if t is not None])
+    return tf.numpy_function(lambda _: time.perf_counter(), [probe], tf.float64, stateful=False)
 
 
 def _microbatch_sizes(batch, num_microbatches):
@@ -250,12 +255,13 @@ def _gpipe_step(staged, loss_fn, sizes, training):
             events.append((stage, j, phase))
             clocks.append(tf.stack([start, end]))
             last[stage] = end
+            return end
 
         for j in range(m):  # forward: micro-batch j flows through every stage
-            h = xs[j]
+            h, handed_over = xs[j], None  # handed_over: when the previous stage finished it
             for s in range(stages):
                 with tf.device(staged.devices[s]):
-                    start = _clock_after(h, last[s])
+                    start = _clock_after(h, last[s], handed_over)
                     with tf.control_dependencies([start]):
                         h_in = tf.identity(h)
                         with tf.GradientTape() as tape:
@@ -264,18 +270,18 @@ def _gpipe_step(staged, loss_fn, sizes, training):
                             out = h
                             if s == stages - 1:
                                 out = _weighted_loss(loss_fn, ys[j], h, sizes[j], batch)
-                    record(s, j, "forward", start, _clock_after(out))
+                    handed_over = record(s, j, "forward", start, _clock_after(out))
                     saved[s, j] = tape, h_in, out
         totals = [tf.zeros_like(v) for v in staged.trainable_variables]
         offsets = np.cumsum([0] + [len(staged.stage_variables(s)) for s in range(stages)])
         loss = tf.add_n([saved[stages - 1, j][2] for j in range(m)])
         for j in reversed(range(m)):  # backward: GPipe runs them in reverse micro-batch order
-            upstream = None
+            upstream = handed_over = None
             for s in reversed(range(stages)):
                 tape, h_in, out = saved[s, j]
                 variables = staged.stage_variables(s)
                 with tf.device(staged.devices[s]):
-                    start = _clock_after(upstream, last[s])
+                    start = _clock_after(upstream, last[s], handed_over)
                     with tf.control_dependencies([start]):
                         sources = variables if s == 0 else [h_in] + variables
                         grads = tape.gradient(out, sources, output_gradients=upstream,
@@ -284,8 +290,8 @@ def _gpipe_step(staged, loss_fn, sizes, training):
                             upstream, grads = grads[0], grads[1:]
                         for k, g in enumerate(grads):
                             totals[offsets[s] + k] = totals[offsets[s] + k] + g
-                    record(s, j, "backward", start,
-                           _clock_after(*totals[offsets[s]:offsets[s + 1]], upstream))
+                    handed_over = record(s, j, "backward", start, _clock_after(
+                        *totals[offsets[s]:offsets[s + 1]], upstream))
         return loss, totals, tf.stack(clocks)
 
     return step, events
@@ -419,26 +425,49 @@ def _stage_costs(stage_times, backward_factor):
     return costs
 
 
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def schedule_order(schedule, stage, num_stages, num_microbatches):
+    """The order in which one stage runs its work: a list of ``(phase, microbatch)``.
+
+    - ``"gpipe"``: every forward, then every backward in reverse micro-batch order;
+    - ``"1f1b"`` (PipeDream-Flush): ``num_stages - stage - 1`` warm-up forwards, then one
+      forward and one backward in turn, then the remaining backwards. Same bubble as GPipe, but
+      a stage never holds more than ``num_stages - stage`` micro-batches' activations.
+    """
+    m = num_microbatches
+    if schedule == "gpipe":
+        return [("forward", j) for j in range(m)] + [("backward", j) for j in reversed(range(m))]
+    if schedule == "1f1b":
+        warmup = min(num_stages - stage - 1, m)
+        order = [("forward", j) for j in range(warmup)]
+        for j in range(m - warmup):
+            order += [("forward", warmup + j), ("backward", j)]
+        return order + [("backward", j) for j in range(m - warmup, m)]
+    raise ValueError(f"unknown schedule {schedule!r}; modelled: {', '.join(SCHEDULES)}")
+
+
 def simulate_pipeline(stage_times, num_microbatches, schedule="gpipe", backward_factor=2.0):
     """Discrete-event model of a pipeline-parallel training step.
 
-    Stage s runs forward on micro-batch j once stage s-1 has finished it and stage s has
-    finished micro-batch j-1 (one device per stage, one thing at a time). With the GPipe
-    schedule every stage runs all its forwards, then the backwards in reverse micro-batch order,
-    each starting once the next stage has sent that micro-batch's gradient back.
+    Each stage is one device doing one thing at a time, in the order its schedule gives
+    (:func:`schedule_order`). A forward on micro-batch j starts once the previous stage has
+    finished it; a backward once the next stage has sent that micro-batch's gradient back (the
+    last stage's once its own forward is done).
 
     Args:
       stage_times: per stage, the forward time of one micro-batch (its backward then takes
         ``backward_factor`` times as long), or a ``(forward, backward)`` pair.
       num_microbatches: micro-batches per step (positive int).
-      schedule: ``"gpipe"`` (the only schedule modelled so far).
+      schedule: ``"gpipe"`` or ``"1f1b"``.
       backward_factor: backward / forward time when only forward times are given.
 
     Returns:
       dict with ``"timeline"``, a list of ``{"stage", "microbatch", "phase", "start", "end"}``
       (phase ``"forward"`` or ``"backward"``), ``"makespan"``, and ``"bubble_fraction"``: the
       share of device-time idle, ``1 - busy / (stages x makespan)``. For equal stages this is
-      ``(p - 1) / (m + p - 1)`` for p stages and m micro-batches.
+      ``(p - 1) / (m + p - 1)`` for p stages and m micro-batches, for both schedules.
 
     Raises:
       ValueError: no stages, a non-positive time, ``num_microbatches < 1``, or an unknown
@@ -448,31 +477,38 @@ def simulate_pipeline(stage_times, num_microbatches, schedule="gpipe", backward_
       >>> round(simulate_pipeline([1.0] * 4, 8)["bubble_fraction"], 4)   # 3 / 11
       0.2727
     """
-    if schedule != "gpipe":
-        raise ValueError(f"unknown schedule {schedule!r}; modelled so far: 'gpipe'")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; modelled: {', '.join(SCHEDULES)}")
     if not stage_times:
         raise ValueError("stage_times is empty: a pipeline needs at least one stage")
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
     costs = _stage_costs(stage_times, backward_factor)
     stages, m = len(costs), num_microbatches
-    forward_end = [[0.0] * m for _ in range(stages)]
-    timeline = []
-    for s, (forward, _) in enumerate(costs):
-        free = 0.0
-        for j in range(m):
-            start = max(free, forward_end[s - 1][j] if s else 0.0)
-            free = forward_end[s][j] = start + forward
-            timeline.append({"stage": s, "microbatch": j, "phase": "forward", "start": start,
-                             "end": free})
-    backward_end = [[0.0] * m for _ in range(stages)]
-    for s in reversed(range(stages)):
-        free = forward_end[s][-1]  # GPipe: backwards start after the stage's last forward
-        for j in reversed(range(m)):
-            start = max(free, backward_end[s + 1][j] if s + 1 < stages else 0.0)
-            free = backward_end[s][j] = start + costs[s][1]
-            timeline.append({"stage": s, "microbatch": j, "phase": "backward", "start": start,
-                             "end": free})
+    orders = [schedule_order(schedule, s, stages, m) for s in range(stages)]
+    done, free, position, timeline = {}, [0.0] * stages, [0] * stages, []
+
+    def dependency(s, phase, j):
+        if phase == "forward":
+            return (s - 1, "forward", j) if s else None
+        return (s + 1, "backward", j) if s + 1 < stages else (s, "forward", j)
+
+    while len(timeline) < 2 * stages * m:
+        progressed = False
+        for s in range(stages):
+            while position[s] < len(orders[s]):
+                phase, j = orders[s][position[s]]
+                needs = dependency(s, phase, j)
+                if needs is not None and needs not in done:
+                    break
+                start = max(free[s], done[needs] if needs else 0.0)
+                free[s] = done[s, phase, j] = start + costs[s][phase == "backward"]
+                timeline.append({"stage": s, "microbatch": j, "phase": phase, "start": start,
+                                 "end": free[s]})
+                position[s] += 1
+                progressed = True
+        if not progressed:  # cannot happen for the schedules above; guards future ones
+            raise RuntimeError(f"schedule {schedule!r} deadlocks")
     timeline.sort(key=lambda e: (e["start"], e["stage"]))
     return {"timeline": timeline, "makespan": max(event["end"] for event in timeline),
             "bubble_fraction": bubble_fraction(timeline)}
