@@ -565,11 +565,12 @@ class ColumnParallelDense(keras.layers.Layer):
         self.bias_initializer = keras.initializers.get(bias_initializer)
 
     def build(self, input_shape):
-        kernel = self.kernel_initializer((input_shape[-1], self.units))
-        bias = self.bias_initializer((self.units,))
+        with tf.init_scope():  # eager even when first called inside a tf.function
+            kernel = np.asarray(self.kernel_initializer((input_shape[-1], self.units)))
+            bias = np.asarray(self.bias_initializer((self.units,)))
         self.kernels, self.biases = [], []
-        for i, (k, b) in enumerate(zip(np.split(np.asarray(kernel), len(self.devices), axis=1),
-                                       np.split(np.asarray(bias), len(self.devices))), ):
+        for i, (k, b) in enumerate(zip(np.split(kernel, len(self.devices), axis=1),
+                                       np.split(bias, len(self.devices)))):
             with tf.device(self.devices[i]):  # each shard's weights live on its device
                 self.kernels.append(self.add_weight(shape=k.shape, name=f"kernel_{i}",
                                                     initializer=keras.initializers.Constant(k)))
@@ -647,7 +648,8 @@ class RowParallelDense(keras.layers.Layer):
     def build(self, input_shape):
         features = self._features(input_shape)
         _check_divisible(features, len(self.devices), "the number of input features")
-        kernel = np.asarray(self.kernel_initializer((features, self.units)))
+        with tf.init_scope():
+            kernel = np.asarray(self.kernel_initializer((features, self.units)))
         self.kernels = []
         for i, k in enumerate(np.split(kernel, len(self.devices), axis=0)):
             with tf.device(self.devices[i]):
@@ -928,3 +930,33 @@ def model_memory_report(model, optimizer, batch_size, num_devices, strategy):
     busiest.update(strategy=strategy, num_devices=num_devices, batch_size=batch_size,
                    per_device_total=[e["total"] for e in per_device])
     return busiest
+
+
+# --- plots ---------------------------------------------------------------------------------
+
+def plot_timeline(timeline, ax=None, title="Pipeline timeline", scale=1e3, xlabel="time (ms)"):
+    """Gantt chart of a timeline: one row per stage, forward and backward boxes labelled with
+    their micro-batch. Times are multiplied by ``scale`` (1e3: seconds to ms; use 1 and your
+    own ``xlabel`` for a simulated timeline). Returns the matplotlib axes."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    stages = len({e["stage"] for e in timeline})
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 0.8 + 0.55 * stages))
+    colors = {"forward": "tab:blue", "backward": "tab:orange"}
+    width = max(e["end"] for e in timeline) * scale
+    for e in timeline:
+        start, length = e["start"] * scale, (e["end"] - e["start"]) * scale
+        ax.broken_barh([(start, length)], (e["stage"] - 0.4, 0.8),
+                       facecolors=colors[e["phase"]], edgecolor="white")
+        if length > 0.025 * width:
+            ax.text(start + length / 2, e["stage"], str(e["microbatch"]), ha="center",
+                    va="center", color="white", fontsize=8)
+    ax.set_yticks(range(stages), [f"stage {s}" for s in range(stages)])
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
+    ax.legend(handles=[Patch(color=c, label=p) for p, c in colors.items()],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return ax

@@ -81,3 +81,16 @@ def test_schedule_order_covers_every_microbatch_once():
             order = schedule_order(schedule, stage, 4, 6)
             assert sorted(order) == sorted((p, j) for p in ("forward", "backward")
                                            for j in range(6))
+
+
+def test_plot_timeline_draws_one_box_per_event():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from gradtut.model_parallel import plot_timeline
+    timeline = simulate_pipeline([1.0, 1.0, 1.0], 4)["timeline"]
+    ax = plot_timeline(timeline, scale=1, xlabel="time (forward passes)")
+    assert len(ax.collections) == len(timeline)
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["stage 0", "stage 1", "stage 2"]
+    assert ax.get_xlabel() == "time (forward passes)"
+    plt.close(ax.figure)

@@ -226,6 +226,16 @@ def test_gathered_column_output_and_a_full_row_input():
     np.testing.assert_allclose(split[1](hidden), dense[1](hidden), rtol=1e-5, atol=1e-6)
 
 
+def test_split_layers_can_be_built_inside_a_tf_function():
+    column = mp.ColumnParallelDense(8, DEVICES[2], activation="relu")
+    row = mp.RowParallelDense(3, DEVICES[2])
+    x = tf.ones((2, 5))
+    out = tf.function(lambda: row(column(x)))()
+    kernel, bias = row.merge_shards(row.trainable_variables)
+    hidden = tf.concat(column(x), axis=-1)
+    np.testing.assert_allclose(out, hidden @ kernel + bias, rtol=1e-5, atol=1e-6)
+
+
 def test_kernel_dimensions_that_do_not_split_are_refused():
     with pytest.raises(ValueError, match="units is 10, which does not split into 4 equal"):
         mp.ColumnParallelDense(10, DEVICES[4])

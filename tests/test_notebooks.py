@@ -10,8 +10,10 @@ from gradtut.notebook_format import canonical
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 # Calls whose output varies from run to run: such cells must be marked, and only such cells.
+# What marks a measurement: timers, allocator statistics, and measured pipeline timelines.
 TIMING = re.compile(r"\b(\w*_timings|time_callable|\w*benchmark\w*|peak_memory_bytes|"
-                    r"run_in_subprocess|perf_counter)\(|\bmedian_\w*ms\b")
+                    r"run_in_subprocess|perf_counter|reset_memory_stats|makespan|"
+                    r"bubble_fraction|stage_times)\(|\bmedian_\w*ms\b")
 IGNORE = "# NBVAL_IGNORE_OUTPUT"
 LOG_NOISE = re.compile(r"^[IWEF]0000 |oneDNN custom operations|cpu_feature_guard|INFO:tensorflow|"
                        r"WARNING:tensorflow|ms/step|absl::InitializeLog", re.M)
