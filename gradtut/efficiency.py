@@ -429,3 +429,28 @@ def compare_compilation(fn, *args, repeats=7, rtol=1e-4, atol=1e-5):
     timings = compare_timings({name: (lambda f=f: f(*args)) for name, f in versions.items()},
                               reference="eager", warmup=2, repeats=repeats)
     return {t.name: {"median_ms": t.median_ms, "ratio": t.ratio} for t in timings}
+
+
+# --- the CPU allocator ---------------------------------------------------------------------
+
+def large_intermediate_ms(size=2048, repeats=9):
+    """Median ms of a compiled step that creates ``size x size`` float32 intermediates, and
+    whether this process's allocator keeps statistics. Meant to run in a fresh process (via
+    ``gradtut.benchmark.run_in_subprocess``) with ``TF_CPU_ALLOCATOR_USE_BFC`` set either way,
+    since the allocator is chosen when TensorFlow starts.
+    """
+    import time
+
+    x = tf.random.stateless_normal((size, size), seed=(1, 2))
+
+    @tf.function
+    def step(x):
+        return tf.reduce_sum(tf.nn.relu(tf.matmul(x, x)) * 2.0 + x)
+
+    step(x).numpy()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step(x).numpy()
+        times.append(time.perf_counter() - start)
+    return {"median_ms": 1e3 * float(np.median(times)), "allocator_stats": _allocator_has_stats()}

@@ -270,3 +270,9 @@ def test_compare_compilation_checks_agreement_and_returns_ratios():
 
     with pytest.raises(AssertionError, match="tf.function disagrees with eager"):
         eff.compare_compilation(differs_when_traced, x, repeats=1)
+
+
+def test_large_intermediate_ms_reports_the_allocator():
+    result = eff.large_intermediate_ms(size=64, repeats=2)
+    assert result["median_ms"] > 0
+    assert result["allocator_stats"] is True  # this test process runs with BFC (conftest)

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 # Calls whose output varies from run to run: such cells must be marked, and only such cells.
 # What marks a measurement: timers, allocator statistics, and measured pipeline timelines.
-TIMING = re.compile(r"\b(\w*_timings|time_callable|\w*benchmark\w*|peak_memory_bytes|"
+TIMING = re.compile(r"\b(\w*_timings|time_callable|\w*benchmark\w*|peak_memory\w*|"
                     r"run_in_subprocess|perf_counter|reset_memory_stats|makespan|"
                     r"bubble_fraction|stage_times)\(|\bmedian_\w*ms\b")
 IGNORE = "# NBVAL_IGNORE_OUTPUT"
