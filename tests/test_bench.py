@@ -1,0 +1,76 @@
+"""The bench command: a quick section end to end, its JSON, and its argument errors."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gradtut.bench import RESULT_KEYS, ROW_KEYS, SECTIONS
+
+
+def gradtut_cli(*args, cwd=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TF_")}
+    return subprocess.run([sys.executable, "-m", "gradtut", *args], capture_output=True,
+                          text=True, cwd=cwd, env=env, timeout=600)
+
+
+def test_quick_pipeline_section_writes_results_and_a_plot(tmp_path):
+    out = tmp_path / "bench"
+    proc = gradtut_cli("bench", "--quick", "--sections", "pipeline", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "[1/1] pipeline ... done in" in proc.stdout
+    results = json.loads((out / "results.json").read_text())
+    assert set(RESULT_KEYS) <= set(results)
+    assert results["quick"] is True and results["tensorflow"].startswith("2.21.")
+    assert results["hardware"]["cpu_count"] >= 1 and results["devices"]
+    section = results["sections"]["pipeline"]
+    assert section["device"].startswith("CPU (2 virtual devices")
+    rows = section["rows"]
+    assert [r["measurement"] for r in rows] == ["GPipe, 2 stages, 1 micro-batches",
+                                                "GPipe, 2 stages, 4 micro-batches"]
+    for r in rows:
+        assert set(ROW_KEYS) <= set(r) and r["value"] > 0
+        assert 0.0 <= r["idle_measured"] < 1.0
+    assert rows[0]["ratio"] == 1.0
+    assert abs(rows[0]["idle_measured"] - 0.5) < 0.1  # one micro-batch: one stage at a time
+    assert rows[1]["idle_formula"] == pytest.approx(0.2)
+    assert (out / "pipeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_help_lists_the_sections():
+    proc = gradtut_cli("bench", "--help")
+    assert proc.returncode == 0
+    assert all(name in proc.stdout for name in SECTIONS) and "--quick" in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bench", "--sections", "per_example", "nope"],
+     "python -m gradtut bench: error: unknown section 'nope'; choose from per_example, "),
+    (["bench", "--out", "/proc/gradtut-bench"], "python -m gradtut bench: error: cannot write "
+                                                "to --out '/proc/gradtut-bench'"),
+    (["bench", "--repeats", "3"], "python -m gradtut bench: error: unrecognized arguments"),
+    (["train"], "python -m gradtut: error: unknown command 'train'"),
+])
+def test_bad_arguments_get_one_line_and_a_nonzero_exit(args, message):
+    proc = gradtut_cli(*args)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(message)
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_an_existing_file_as_out_is_refused(tmp_path):
+    target = tmp_path / "a-file"
+    target.write_text("x")
+    proc = gradtut_cli("bench", "--quick", "--sections", "pipeline", "--out", str(target))
+    assert proc.returncode == 2 and "cannot write to --out" in proc.stderr
+
+
+def test_the_default_out_is_a_new_folder(tmp_path, monkeypatch):
+    from gradtut import bench
+    monkeypatch.chdir(tmp_path)
+    first = bench._prepare_out(bench._parser(), None)
+    os.makedirs(first, exist_ok=True)
+    second = bench._prepare_out(bench._parser(), None)
+    assert first.startswith("gradtut-bench-") and first != second
+    assert (tmp_path / first).is_dir() and (tmp_path / second).is_dir()
