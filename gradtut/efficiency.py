@@ -18,7 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from gradtut.benchmark import compare_timings
+from gradtut.benchmark import compare_timings, peak_memory_bytes
 
 
 # --- gradient accumulation -----------------------------------------------------------------
@@ -176,16 +176,6 @@ def _allocator_has_stats(device="CPU:0"):
     return True
 
 
-def _peak_in_this_process(fn, args, device="CPU:0"):
-    tf.config.experimental.reset_memory_stats(device)
-    start = tf.config.experimental.get_memory_info(device)["current"]
-    result = fn(*args)
-    for t in tf.nest.flatten(result):
-        if isinstance(t, (tf.Tensor, tf.Variable)):
-            t.numpy()
-    return tf.config.experimental.get_memory_info(device)["peak"] - start
-
-
 def _child_main(path):
     """Entry point of the fresh process: unpickle ``(fn, args)``, measure, print the bytes."""
     import gradtut
@@ -193,7 +183,7 @@ def _child_main(path):
     with open(path, "rb") as f:
         fn, args = pickle.load(f)
     fn(*args)  # warm-up: tracing, one-off buffers
-    print(f"@@PEAK@@{_peak_in_this_process(fn, args)}")
+    print(f"@@PEAK@@{peak_memory_bytes(fn, *args)}")
 
 
 def peak_memory(fn, *args, fresh_process=None, timeout_s=600):
@@ -230,7 +220,7 @@ def peak_memory(fn, *args, fresh_process=None, timeout_s=600):
         if not has_stats:
             raise RuntimeError("this process's CPU allocator keeps no statistics: start it with "
                                "gradtut.setup() (BFC allocator), or pass fresh_process=True")
-        return _peak_in_this_process(fn, args)
+        return peak_memory_bytes(fn, *args)
     if getattr(fn, "__module__", None) == "__main__":
         raise ValueError(f"{fn.__name__!r} is defined in __main__ (a notebook or script), which a "
                          "fresh process cannot import: move it into a module")
