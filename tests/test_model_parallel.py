@@ -4,6 +4,11 @@ import pytest
 from gradtut.model_parallel import activations_in_flight, schedule_order, simulate_pipeline
 
 
+def spans_of(timeline):
+    """{(stage, micro-batch, phase): (start, end)} for every event of a timeline."""
+    return {(e["stage"], e["microbatch"], e["phase"]): (e["start"], e["end"]) for e in timeline}
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("stages", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("microbatches", [1, 2, 4, 7, 16])
@@ -16,7 +21,7 @@ def test_equal_stages_match_the_gpipe_bubble_formula(stages, microbatches, sched
 
 def test_two_stages_two_microbatches_by_hand():
     timeline = simulate_pipeline([(1.0, 1.0), (1.0, 1.0)], 2)["timeline"]
-    spans = {(e["stage"], e["microbatch"], e["phase"]): (e["start"], e["end"]) for e in timeline}
+    spans = spans_of(timeline)
     assert spans == {
         (0, 0, "forward"): (0.0, 1.0), (0, 1, "forward"): (1.0, 2.0),
         (1, 0, "forward"): (1.0, 2.0), (1, 1, "forward"): (2.0, 3.0),
@@ -61,7 +66,7 @@ def test_bad_arguments_get_clear_errors(kwargs, message):
 
 def test_1f1b_by_hand_and_its_activation_memory():
     timeline = simulate_pipeline([(1.0, 1.0), (1.0, 1.0)], 3, schedule="1f1b")["timeline"]
-    spans = {(e["stage"], e["microbatch"], e["phase"]): (e["start"], e["end"]) for e in timeline}
+    spans = spans_of(timeline)
     assert spans == {
         (0, 0, "forward"): (0.0, 1.0), (1, 0, "forward"): (1.0, 2.0),
         (0, 1, "forward"): (1.0, 2.0), (1, 0, "backward"): (2.0, 3.0),
