@@ -30,7 +30,12 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 ARTIFACTS = ROOT / "test-artifacts" / "jupyterlab"
 CHROMIUM = "/usr/bin/chromium"
-NOTEBOOK_TIMEOUT_S = 900
+# Each notebook's time budget on 2 cores (run alone, under nbval). In the browser a run may
+# take up to twice that, plus a minute, before the test calls it overrun.
+BUDGET_S = {"01": 120, "02": 120, "03": 150, "04": 120, "05": 150}
+# Run All stops at the first error and leaves the kernel idle: after this long idle with cells
+# never run, the test fails and says where the run stopped.
+IDLE_GRACE_S = 5
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update",
                  "--disable-sync"]
@@ -153,13 +158,36 @@ READY = f"""() => {{
             w.sessionContext.session && w.sessionContext.session.kernel &&
             w.context && w.context.path === %s);
 }}"""
-FINISHED = f"""() => {{
+# Record every kernel status the notebook's session reports (a restart or a dead kernel shows
+# up here even when it is over by the time we look).
+WATCH = f"""() => {{
+  const w = {CURRENT};
+  window.__gradtut_statuses = [];
+  w.sessionContext.statusChanged.connect((_, status) => window.__gradtut_statuses.push(status));
+}}"""
+# The state of the run, read once a second: per code cell its execution count, whether it is
+# queued or running ("[*]"), its error and stderr outputs; the kernel's status and history.
+STATE = f"""() => {{
   const w = {CURRENT};
   const code = w.content.widgets.filter(c => c.model.type === 'code');
+  const outputs = c => Array.from({{length: c.model.outputs.length}},
+                                  (_, i) => c.model.outputs.get(i).toJSON());
+  const text = t => Array.isArray(t) ? t.join('') : (t || '');
   const kernel = w.sessionContext.session && w.sessionContext.session.kernel;
-  return !!kernel && kernel.status === 'idle' &&
-         code.every(c => c.model.executionCount !== null) &&
-         !code.some(c => c.promptNode && c.promptNode.textContent.includes('*'));
+  return {{
+    kernel: kernel ? kernel.status : 'no kernel',
+    statuses: window.__gradtut_statuses || [],
+    cells: code.map((c, i) => ({{
+      cell: i + 1,
+      count: c.model.executionCount,
+      pending: !!(c.promptNode && c.promptNode.textContent.includes('*')),
+      source: c.model.sharedModel.getSource().split('\\n')[0].slice(0, 80),
+      errors: outputs(c).filter(o => o.output_type === 'error')
+                        .map(o => `${{o.ename}}: ${{o.evalue}}`.slice(0, 2000)),
+      stderr: outputs(c).filter(o => o.output_type === 'stream' && o.name === 'stderr')
+                        .map(o => text(o.text).slice(-2000)),
+    }})),
+  }};
 }}"""
 SUMMARY = f"""() => {{
   const w = {CURRENT};
@@ -190,6 +218,94 @@ CLOSE = f"""async () => {{
 }}"""
 
 
+RESTARTING = {"restarting", "autorestarting", "terminating"}
+
+
+def _squeeze(statuses):
+    """The kernel's status history, short: how many changes, and the last few."""
+    return f"{len(statuses)} changes, the last: {statuses[-8:]}"
+
+
+class NotebookRunFailed(AssertionError):
+    """The run stopped, failed or overran; the message says where and shows the evidence."""
+
+
+def _verdict(state, idle_since, now):
+    """None while the run is healthy and going on; "finished"; or why it has failed."""
+    cells = state["cells"]
+    if state["kernel"] == "dead" or "dead" in state["statuses"]:
+        return f"the kernel died (status {state['kernel']!r})"
+    if set(state["statuses"]) & RESTARTING:
+        return "the kernel died or was restarted during the run"
+    if any(c["pending"] for c in cells) or state["kernel"] != "idle":
+        return None
+    if all(c["count"] is not None for c in cells):
+        return "finished"
+    if idle_since is not None and now - idle_since >= IDLE_GRACE_S:
+        failed = [c["cell"] for c in cells if c["errors"]]
+        return (f"the kernel has been idle for {now - idle_since:.0f} s with "
+                f"{sum(c['count'] is None for c in cells)} code cells never run" +
+                (f": Run All stopped at the error in cell {failed[0]}" if failed else
+                 " and no error shown"))
+    return None
+
+
+def _report(reason, state, lab, path, seconds):
+    """A failure message: the reason, then every cell that ran, failed or waits, the kernel's
+    status and history, and the tail of the server log (kernels write their stderr there)."""
+    lines = [f"{path.name}: {reason} after {seconds:.0f} s",
+             f"kernel status {state['kernel']!r}; restarts during the run "
+             f"{sum(s in RESTARTING for s in state['statuses'])}; statuses seen since the "
+             f"first cell started {_squeeze(state['statuses'])}"]
+    for c in state["cells"]:
+        mark = ("ran" if c["count"] is not None else "RUNNING/QUEUED" if c["pending"]
+                else "never ran")
+        lines.append(f"  cell {c['cell']:2d} [{c['count'] if c['count'] is not None else ' '}] "
+                     f"{mark:14s} {c['source']}")
+        lines += [f"      ERROR {e}" for e in c["errors"]]
+        lines += ["      STDERR " + s.strip().replace("\n", "\n             ")
+                  for s in c["stderr"]]
+    lines += ["server log (tail; a kernel's own stderr lands here):", lab.log_tail(40)]
+    return "\n".join(lines)
+
+
+def _wait_for_run(page, lab, path):
+    """Poll the run once a second until every code cell has run and the kernel is idle.
+    Fail at once, with a per-cell report, when the kernel died or restarted, or has been idle
+    for IDLE_GRACE_S with cells never run (Run All stops at an error); fail when the notebook
+    overruns its budget plus a margin."""
+    limit = BUDGET_S[path.name[:2]] * 2 + 60
+    start, idle_since, running = time.monotonic(), None, None
+    while True:
+        now = time.monotonic()
+        state = page.evaluate(STATE)
+        pending = [c for c in state["cells"] if c["pending"]]
+        running = pending[0] if pending else running
+        busy = state["kernel"] != "idle" or bool(pending)
+        idle_since = None if busy else (idle_since or now)
+        verdict = _verdict(state, idle_since, now)
+        if verdict == "finished":
+            return
+        if verdict is None and now - start > limit:
+            verdict = (f"the run took longer than {limit} s (budget "
+                       f"{BUDGET_S[path.name[:2]]} s, doubled, plus 60)")
+        if verdict is not None:
+            if running is not None:
+                verdict += (f"; the last cell seen running was cell {running['cell']}: "
+                            f"{running['source']}")
+            raise NotebookRunFailed(_report(verdict, state, lab, path, now - start))
+        time.sleep(1)
+
+
+def _screenshot(page, path, summary_id=None):
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    if summary_id is not None:
+        images = page.locator(f"[id='{summary_id}'] .jp-RenderedImage img")
+        if images.count():
+            images.first.scroll_into_view_if_needed()  # show a plot, not just the title
+    page.screenshot(path=str(ARTIFACTS / f"{path.stem}.png"))
+
+
 def _run_notebook(page, lab, path):
     relative = path.relative_to(ROOT).as_posix()
     # ?reset: start from an empty workspace, so that only this notebook is open (JupyterLab
@@ -210,13 +326,19 @@ def _run_notebook(page, lab, path):
     page.evaluate("() => { window.jupyterapp.commands.execute('notebook:restart-run-all'); }")
     page.locator(".jp-Dialog", has_text="Restart").locator(".jp-mod-accept").click(
         timeout=30_000)
-    page.wait_for_function(FINISHED, timeout=NOTEBOOK_TIMEOUT_S * 1000, polling=1000)
+    # That restart is over once the kernel runs the first cell; from then on, any restart
+    # (or a dead kernel) is a failure of the run.
+    page.wait_for_function(f"() => {CURRENT}.sessionContext.session.kernel.status === 'busy' ||"
+                           f" {CURRENT}.content.widgets.some(c => c.model.type === 'code' &&"
+                           " c.model.executionCount !== null)", timeout=60_000)
+    page.evaluate(WATCH)
+    try:
+        _wait_for_run(page, lab, path)
+    except BaseException:
+        _screenshot(page, path)
+        raise
     summary = page.evaluate(SUMMARY)
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    images = page.locator(f"[id='{summary['id']}'] .jp-RenderedImage img")
-    if images.count():
-        images.first.scroll_into_view_if_needed()  # show a plot, not just the title
-    page.screenshot(path=str(ARTIFACTS / f"{path.stem}.png"))
+    _screenshot(page, path, summary["id"])
     return summary
 
 
