@@ -214,23 +214,62 @@ class WorkerError(RuntimeError):
     """A worker process failed or timed out; every worker has been stopped."""
 
 
-def _free_loopback_ports(count):
-    """``count`` distinct free TCP ports on 127.0.0.1 (bound, read, released)."""
+def _ephemeral_port_range():
+    """The range Linux takes ports for outgoing connections from (32768-60999 by default)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _free_loopback_ports(count, rng=None):
+    """``count`` distinct ports that are free now on every interface (TensorFlow's gRPC server
+    listens on all of them, whatever TF_CONFIG says).
+
+    Taken from below the ephemeral range, so that no outgoing connection (a browser, a Jupyter
+    kernel's sockets, another test) can be given the same port between this check and the
+    worker's bind: ``bind(("", 0))`` would pick from the ephemeral range itself.
+    """
+    import random
     import socket
 
-    sockets = []
+    rng = rng or random.Random()
+    low = _ephemeral_port_range()[0]
+    first = max(1024, min(20000, low - 2000))
+    found, tries = [], 0
+    while len(found) < count:
+        tries += 1
+        if tries > 200 * count:
+            raise WorkerError(f"could not find {count} free ports in {first}-{low - 1}; stop "
+                              "other servers or use fewer workers")
+        port = rng.randrange(first, low)
+        if port in found:
+            continue
+        if all(_bindable(family, address, port)
+               for family, address in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::"))):
+            found.append(port)
+    return found
+
+
+def _bindable(family, address, port):
+    import socket
+
     try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    except OSError as err:
-        raise WorkerError(f"could not find {count} free loopback ports ({err}); stop other "
-                          "servers or use fewer workers") from None
-    finally:
-        for s in sockets:
-            s.close()
+        s = socket.socket(family, socket.SOCK_STREAM)
+    except OSError:  # no IPv6 on this machine: nothing can listen there either
+        return True
+    with s:
+        try:
+            s.bind((address, port))
+        except OSError:
+            return False
+    return True
+
+
+class _PortTaken(WorkerError):
+    """A worker's gRPC server could not listen: its port was taken after it was chosen."""
 
 
 def _die_with_parent():
@@ -281,7 +320,9 @@ def launch_local_workers(target, num_workers, timeout_s, kwargs=None, ports=None
       num_workers: positive int.
       timeout_s: seconds for the whole run; then every worker is killed.
       kwargs: JSON-serialisable keyword arguments for ``target``.
-      ports: the ports to use (default: free ones found on 127.0.0.1).
+      ports: the ports to use (default: ports free on every interface, from below the
+        ephemeral range; if one is taken before its worker listens, the launch is retried
+        with fresh ports, at most three attempts in all).
       env: extra environment variables for every worker.
 
     Returns:
@@ -299,12 +340,7 @@ def launch_local_workers(target, num_workers, timeout_s, kwargs=None, ports=None
       ...                                kwargs={"steps": 4})  # doctest: +SKIP
     """
     import json
-    import os
-    import signal
-    import subprocess
     import sys
-    import tempfile
-    import time
 
     if not isinstance(num_workers, int) or num_workers < 1:
         raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
@@ -313,12 +349,9 @@ def launch_local_workers(target, num_workers, timeout_s, kwargs=None, ports=None
             raise ValueError(f"workers cannot import {target.__qualname__!r} (defined in "
                              "__main__ or inside a function): move it to a module, or pass a script")
         target = f"{target.__module__}:{target.__qualname__}"
-    if ports is None:
-        ports = _free_loopback_ports(num_workers)
-    if len(ports) < num_workers:
+    if ports is not None and len(ports) < num_workers:
         raise ValueError(f"{num_workers} workers need {num_workers} ports; got {len(ports)} "
                          "(more workers than free ports)")
-    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports[:num_workers]]}
     if target.endswith(".py"):
         command = [sys.executable, target]
     else:
@@ -326,7 +359,32 @@ def launch_local_workers(target, num_workers, timeout_s, kwargs=None, ports=None
         if not function:
             raise ValueError(f"target {target!r} must be 'module:function' or a .py script")
         command = [sys.executable, "-c", _WORKER_MAIN, module, function, json.dumps(kwargs or {})]
+    # A port found free can be taken before the worker listens on it (by any process on the
+    # machine). The worker then fails at once with "Could not start gRPC server": try again
+    # with fresh ports, twice at most. Ports the caller chose are used as they are.
+    attempts = 1 if ports is not None else 3
+    for attempt in range(1, attempts + 1):
+        chosen = list(ports[:num_workers]) if ports is not None else _free_loopback_ports(
+            num_workers)
+        try:
+            return _run_workers(command, chosen, timeout_s, env)
+        except _PortTaken as err:
+            if attempt == attempts:
+                raise WorkerError(f"{err}\n(a worker could not listen on its port {chosen}; "
+                                  f"tried {attempts} time(s))") from None
 
+
+def _run_workers(command, ports, timeout_s, env):
+    """Start one worker per port with its TF_CONFIG, wait, and collect what each printed."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import tempfile
+    import time
+
+    num_workers = len(ports)
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     logs = tempfile.mkdtemp(prefix="gradtut-workers-")
     procs, files = [], []
     try:
@@ -351,8 +409,10 @@ def launch_local_workers(target, num_workers, timeout_s, kwargs=None, ports=None
                 failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
                 which = "; ".join(f"worker {i} of {num_workers} exited with code {codes[i]}"
                                   for i in [first] + [i for i in failed if i != first])
-                raise WorkerError(f"{which}; stopped the others. Worker {first}'s stderr ends "
-                                  f"with:\n{_tail(os.path.join(logs, f'{first}.err'))}")
+                tail = _tail(os.path.join(logs, f"{first}.err"))
+                kind = _PortTaken if "Could not start gRPC server" in tail else WorkerError
+                raise kind(f"{which}; stopped the others. Worker {first}'s stderr ends "
+                           f"with:\n{tail}")
             if all(c == 0 for c in codes):
                 break
             if time.monotonic() > deadline:

@@ -243,3 +243,46 @@ def test_a_script_target_runs_in_every_worker(tmp_path):
     results = launch_local_workers(str(script), 2, timeout_s=60)
     assert [r["stdout"].strip() for r in results] == ["task 0", "task 1"]
     assert [r["result"] for r in results] == [None, None]
+
+
+def test_free_ports_are_free_on_every_interface_and_outside_the_ephemeral_range():
+    import socket
+
+    from gradtut.data_parallel import _ephemeral_port_range, _free_loopback_ports
+
+    low, _ = _ephemeral_port_range()
+    ports = _free_loopback_ports(4)
+    assert len(set(ports)) == 4 and all(1024 <= p < low for p in ports)
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("0.0.0.0", port))
+
+
+def test_a_port_taken_before_the_worker_listens_is_retried_with_fresh_ports(monkeypatch):
+    """The race behind a notebook-03 failure: a port found free is taken by another process
+    before TensorFlow's gRPC server binds it. The launcher retries with fresh ports; ports the
+    caller chose are not retried, and the error says the port could not be used."""
+    import socket
+
+    from gradtut import data_parallel
+
+    with socket.socket() as blocker:
+        blocker.bind(("0.0.0.0", 0))
+        blocker.listen()
+        taken = blocker.getsockname()[1]
+        real = data_parallel._free_loopback_ports
+        handed_out = []
+
+        def first_taken(count):
+            ports = [taken] + real(count - 1) if not handed_out else real(count)
+            handed_out.append(ports)
+            return ports
+
+        monkeypatch.setattr(data_parallel, "_free_loopback_ports", first_taken)
+        results = launch_local_workers("gradtut.data_parallel:train_synthetic", 2,
+                                       timeout_s=120, kwargs={"steps": 2})
+        assert len(handed_out) == 2 and taken in handed_out[0]
+        assert results[0]["result"]["weights"] == results[1]["result"]["weights"]
+        with pytest.raises(WorkerError, match=r"could not listen on its port.*tried 1 time"):
+            launch_local_workers("gradtut.data_parallel:train_synthetic", 2, timeout_s=120,
+                                 kwargs={"steps": 2}, ports=[taken, real(1)[0]])
