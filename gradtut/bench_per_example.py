@@ -35,6 +35,35 @@ def mlp(input_dim=784, hidden=256, classes=10, seed=0):
                              keras.layers.Dense(classes)])
 
 
+def cnn(classes=10, seed=0):
+    """A small CNN on 8x8x1 digit images: two convolutions (the second strided), then Dense."""
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((8, 8, 1)),
+        keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
+        keras.layers.Conv2D(32, 3, strides=2, padding="same", activation="relu"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(classes)])
+
+
+def transformer(classes=10, seed=0, width=32, heads=2):
+    """A tiny transformer on 8x8 digit images read as 8 tokens of 8 pixels: a token embedding,
+    one pre-norm block (multi-head attention, LayerNormalization, a feed-forward block),
+    mean pooling, Dense logits."""
+    keras.utils.set_random_seed(seed)
+    tokens = keras.Input((8, 8))
+    h = keras.layers.Dense(width)(tokens)
+    a = keras.layers.LayerNormalization()(h)
+    h = h + keras.layers.MultiHeadAttention(heads, width // heads)(a, a)
+    f = keras.layers.LayerNormalization()(h)
+    h = h + keras.layers.Dense(width)(keras.layers.Dense(2 * width, activation="gelu")(f))
+    return keras.Model(tokens, keras.layers.Dense(classes)(
+        keras.layers.GlobalAveragePooling1D()(h)))
+
+
+MODELS = {"mlp": ((784,), mlp), "cnn": ((8, 8, 1), cnn), "transformer": ((8, 8), transformer)}
+
+
 def _batch_gradient_fn(model, loss_fn):
     @tf.function(reduce_retracing=True)
     def batch_gradient(x, y):
@@ -58,7 +87,8 @@ def _write_floor_fn(model):
 
 
 def benchmark_per_example(batch_sizes=(32, 256, 1024), methods=ALL, repeats=5,
-                          input_dim=784, hidden=256, classes=10, slow_max_batch=None):
+                          input_dim=784, hidden=256, classes=10, slow_max_batch=None,
+                          model="mlp"):
     """Time each method and the batch gradient at each batch size; return one row per pair.
 
     Args:
@@ -69,7 +99,8 @@ def benchmark_per_example(batch_sizes=(32, 256, 1024), methods=ALL, repeats=5,
         ``[B, number of parameters]`` float32 tensor, a lower bound for any method that
         materialises per-example gradients.
       repeats: timed rounds per batch size (plus one warm-up round).
-      input_dim, hidden, classes: the MLP's sizes.
+      input_dim, hidden, classes: the MLP's sizes (``classes`` for every model).
+      model: ``"mlp"``, ``"cnn"`` or ``"transformer"`` (see ``MODELS``).
       slow_max_batch: skip the two slow methods (``SLOW``: the loop, linear in B, and
         ``jacobian``, quadratic in B) above this batch size; None measures them everywhere.
 
@@ -81,14 +112,21 @@ def benchmark_per_example(batch_sizes=(32, 256, 1024), methods=ALL, repeats=5,
     unknown = set(methods) - set(ALL)
     if unknown:
         raise ValueError(f"unknown methods {sorted(unknown)}; choose from {ALL}")
-    model = mlp(input_dim, hidden, classes)
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; choose from {sorted(MODELS)}")
+    shape, build = MODELS[model]
+    if model == "mlp":
+        shape, net = (input_dim,), mlp(input_dim, hidden, classes)
+    else:
+        net = build(classes)
+    model = net
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
     batch_gradient = _batch_gradient_fn(model, loss_fn)
     write_floor = _write_floor_fn(model)
     rng = np.random.default_rng(0)
     rows = []
     for batch in batch_sizes:
-        x = tf.constant(rng.normal(size=(batch, input_dim)).astype("float32"))
+        x = tf.constant(rng.normal(size=(batch, *shape)).astype("float32"))
         y = tf.constant(rng.integers(0, classes, size=batch))
         calls = {REFERENCE: lambda: batch_gradient(x, y)}
         for method in methods:

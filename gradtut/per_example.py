@@ -12,22 +12,29 @@ Methods of :func:`per_example_gradients`:
 - ``"map_fn"``: ``tf.map_fn`` over examples inside a ``tf.function``.
 - ``"vectorized"``: ``tf.vectorized_map`` (pfor) over examples.
 - ``"jacobian"``: ``tape.jacobian`` of the ``[B]`` loss vector.
-- ``"outer"``: one backward pass of the summed loss, then per-layer outer products of each
-  layer's inputs with the gradient of its pre-activation output (Dense with inputs of any rank,
-  Embedding, Conv2D); other variables fall back to ``"vectorized"``.
+- ``"outer"``: one forward and one backward pass; each layer with a rule in
+  :mod:`gradtut.layer_rules` (Dense, EinsumDense, Embedding, convolutions, normalisations)
+  turns its recorded inputs and output gradients into per-example gradients; the variables of
+  layers without a rule fall back to ``"vectorized"``. :func:`per_example_plan` shows which.
 
-The one-pass methods (``"outer"``, ghost norms, :func:`clipped_gradient`) are valid because
-examples do not interact in the forward pass; models where they do (BatchNormalization in
-training mode) are refused. They also assume that a supported layer's variables are used only
-inside that layer's own calls (a layer called several times is fine). Weight tying that reads
-``layer.kernel`` from somewhere else (say, a custom output layer reusing an Embedding's table)
-is not detected: check such a model once against ``method="loop"`` on a small batch.
+The first four need nothing but this module. The one-pass methods (``"outer"``, ghost norms,
+:func:`clipped_gradient`) are valid because examples do not interact in the forward pass;
+models where they do (BatchNormalization in training mode) are refused. They also assume that
+a covered layer's variables are used only inside that layer's own calls (a layer called
+several times is fine). Weight tying that reads ``layer.kernel`` from somewhere else is not
+detected: check such a model once against ``method="loop"`` on a small batch.
+
+Where TensorFlow itself computes a wrong answer, gradtut refuses with an error that names the
+workaround instead of returning it: see :func:`broadcast_matmul_hazards` (oneDNN) and grouped
+convolutions under ``tf.vectorized_map``.
 """
-import contextlib
+import functools
 import weakref
 
 import keras
 import tensorflow as tf
+
+from gradtut import layer_rules
 
 METHODS = ("loop", "map_fn", "vectorized", "jacobian", "outer")
 NORM_METHODS = ("ghost",) + METHODS
@@ -51,19 +58,27 @@ def _batch_size(nest, what):
 def _to_tensors(nest):
     def convert(value):
         t = tf.convert_to_tensor(value)
-        if t.dtype == tf.float64:  # NumPy's default; Keras models compute in float32
-            t = tf.cast(t, keras.backend.floatx())
+        if t.dtype == tf.float64 and keras.backend.floatx() != "float64":
+            t = tf.cast(t, keras.backend.floatx())  # NumPy's default; Keras computes in floatx
         return t
 
     return tf.nest.map_structure(convert, nest)
 
 
+def _layers(model):
+    return model._flatten_layers(include_self=False)  # pylint: disable=protected-access
+
+
 def _random_layers(model):
     """Layers that draw random numbers when training (Dropout, GaussianNoise, ...)."""
-    return [
-        layer for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
-        if any(isinstance(v, keras.random.SeedGenerator) for v in vars(layer).values())
-    ]
+    return [layer for layer in _layers(model)
+            if any(isinstance(v, keras.random.SeedGenerator) for v in vars(layer).values())]
+
+
+def _grouped_convolutions(model):
+    return [layer for layer in _layers(model)
+            if hasattr(layer, "filters") and getattr(layer, "groups", 1) > 1
+            and layer.trainable and layer.trainable_variables]
 
 
 def _check_call(model, loss_fn, x, y, training, method, methods):
@@ -85,8 +100,15 @@ def _check_call(model, loss_fn, x, y, training, method, methods):
         raise ValueError(f"x has {bx} examples but y has {by}; they must match")
     if bx == 0:
         raise ValueError("the batch is empty (0 examples); per-example gradients need at least one")
+    if method in ("vectorized", "jacobian") and _grouped_convolutions(model):
+        names = [layer.name for layer in _grouped_convolutions(model)]
+        raise ValueError(
+            f"layers {names} are grouped convolutions (groups > 1). TensorFlow's vectorised "
+            "filter gradient (used by tf.vectorized_map and tape.jacobian) ignores the groups "
+            "and returns wrong numbers. Use method='outer' (its convolution rule handles "
+            "groups), 'loop' or 'map_fn'.")
     if training:
-        for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+        for layer in _layers(model):
             if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
                 raise ValueError(
                     f"layer {layer.name!r} is BatchNormalization in training mode: it normalises "
@@ -96,28 +118,33 @@ def _check_call(model, loss_fn, x, y, training, method, methods):
                     "LayerNormalization / GroupNormalization instead."
                 )
         random_layers = _random_layers(model)
-        uses_vectorized_map = method == "vectorized" or (
-            method in ("outer", "ghost") and "vectorized" in ghost_norm_plan(model).values())
-        if random_layers and uses_vectorized_map:
+        if random_layers and (method == "vectorized" or (
+                method in ("outer", "ghost") and "vectorized" in ghost_norm_plan(model).values())):
             names = [layer.name for layer in random_layers]
             raise ValueError(
                 f"layers {names} draw random numbers in training mode. Inside tf.vectorized_map "
                 "(used by method 'vectorized', and by 'outer' and 'ghost' for layers without a "
-                "closed-form rule) a Keras random layer draws ONE mask for the whole batch, so "
-                "every example gets the same dropout pattern. Use method='jacobian', 'loop' or "
-                "'map_fn', or training=False."
+                "rule) a Keras random layer draws ONE mask for the whole batch, so every example "
+                "gets the same dropout pattern. Use method='jacobian', 'loop' or 'map_fn', or "
+                "training=False."
             )
     return x, y, bx
 
 
 def _per_example_losses(model, loss_fn, x, y, training):
+    """``loss_fn(y, model(x))``, checked to be one loss per example: shape ``[B]``."""
     losses = loss_fn(y, model(x, training=training))
-    if losses.shape.rank != 1:
-        raise ValueError(
-            f"loss_fn must return per-example losses of shape [B]; it returned shape "
-            f"{losses.shape}. If it reduces over the batch, use reduction=None; if it returns one "
-            "loss per time step or pixel, reduce over those axes inside loss_fn."
-        )
+    batch = tf.nest.flatten(x)[0].shape[0]
+    message = (f"loss_fn must return per-example losses of shape [B] = [{batch}]; it returned "
+               f"shape {losses.shape}. If it reduces over the batch (a mean or sum over axis 0), "
+               "use reduction=None; if it returns one loss per time step or pixel, reduce over "
+               "those axes inside loss_fn.")
+    if losses.shape.rank != 1 or (None not in (batch, losses.shape[0]) and
+                                  losses.shape[0] != batch):
+        raise ValueError(message)
+    if None in (batch, losses.shape[0]):  # shapes relaxed by tf.function: check when it runs
+        tf.debugging.assert_equal(tf.shape(losses)[0], tf.shape(tf.nest.flatten(x)[0])[0],
+                                  message=message)
     return losses
 
 
@@ -130,15 +157,111 @@ def _densify(grads, variables):
                 "forward pass, or the path from it to the loss is not differentiable. Freeze it "
                 "(layer.trainable = False) or remove it."
             )
-        out.append(tf.convert_to_tensor(g))
+        out.append(tf.cast(tf.convert_to_tensor(g), v.dtype))
     return out
 
 
 def _cached(model, key, build):
+    """One traced function per model and key. The key includes the trainable set, so freezing
+    or unfreezing a layer builds a new function instead of reusing a stale one."""
     per_model = _cache.setdefault(model, {})
+    key = key + (tuple(id(v) for v in model.trainable_variables),)
     if key not in per_model:
         per_model[key] = build()
     return per_model[key]
+
+
+# ------------------------------------------------------- a TensorFlow bug we refuse to return
+
+
+def _onednn_enabled():
+    try:
+        from tensorflow.python.util import _pywrap_util_port  # pylint: disable=import-outside-toplevel
+
+        return bool(_pywrap_util_port.IsMklEnabled())
+    except (ImportError, AttributeError):
+        return False
+
+
+def broadcast_matmul_hazards(graph):
+    """Batch matmuls in a traced graph that TensorFlow 2.21's oneDNN kernel gets wrong.
+
+    With oneDNN on (the x86 default), ``tf.linalg.matmul`` of a ``[8, 1, 4, 8]`` tensor with
+    an ``[8, 8]`` matrix returns garbage or corrupts the heap (tensorflow/tensorflow#117700;
+    fixed upstream by PR #120199, after 2.21). ``tf.vectorized_map`` and ``tape.jacobian``
+    create exactly such ops from a layer's ``[1, T, d] @ [d, n]`` (attention, Dense on
+    sequences). Flagged: a batch matmul whose output has two or more batch axes, one of them
+    of size 1 (or unknown), where one operand broadcasts over the other's batch axes.
+
+    Returns:
+      list of ``"op name: shape @ shape"`` strings; empty when oneDNN is off.
+    """
+    if not _onednn_enabled():
+        return []
+    found, seen = [], set()
+
+    def walk(g):
+        if id(g) in seen:
+            return
+        seen.add(id(g))
+        for op in g.get_operations():
+            if op.type in ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3") and _hazard(op):
+                found.append(f"{op.name}: {op.inputs[0].shape} @ {op.inputs[1].shape}")
+        for function in getattr(g, "_functions", {}).values():
+            if getattr(function, "graph", None) is not None:
+                walk(function.graph)
+
+    walk(graph)
+    return found
+
+
+def _hazard(op):
+    a, b = (t.shape for t in op.inputs[:2])
+    if a.rank is None or b.rank is None:
+        return True
+    batch_a, batch_b = list(a[:-2]), list(b[:-2])
+    width = max(len(batch_a), len(batch_b))
+    batch_a = [1] * (width - len(batch_a)) + batch_a
+    batch_b = [1] * (width - len(batch_b)) + batch_b
+    broadcast = any(p != q for p, q in zip(batch_a, batch_b))
+    size_one = any(p in (1, None) and q in (1, None) for p, q in zip(batch_a, batch_b))
+    return width >= 2 and broadcast and size_one
+
+
+def _refuse_hazards():
+    """Raise, while a function is being traced, if its graph holds a hazardous matmul."""
+    hazards = broadcast_matmul_hazards(tf.compat.v1.get_default_graph())
+    if hazards:
+        raise ValueError(
+            "TensorFlow's oneDNN kernel computes this broadcast batch matmul wrongly, or "
+            f"corrupts memory (tensorflow/tensorflow#117700): {hazards[:3]}. gradtut refuses "
+            "rather than return its numbers. Use method='outer' (per_example_plan shows whether "
+            "a rule covers every layer), 'loop' or 'map_fn'; or start Python with "
+            "TF_ENABLE_ONEDNN_OPTS=0.")
+
+
+def _checked_function(python_fn, **kwargs):
+    """``tf.function(python_fn)``, whose graph is checked for :func:`broadcast_matmul_hazards`
+    when it is traced, before it ever runs (so the check costs nothing per call)."""
+
+    @functools.wraps(python_fn)  # keeps python_fn's signature: cheaper calls than *args
+    def traced(*args):
+        out = python_fn(*args)
+        _refuse_hazards()
+        return out
+
+    function = tf.function(traced, **kwargs)
+
+    def call(*args):
+        try:
+            return function(*args)
+        except ValueError as err:  # raised while tracing: AutoGraph prefixes a traceback
+            text = str(err)
+            if not text.startswith("in user code"):
+                raise
+            raise ValueError(text[text.rfind("ValueError: ") + len("ValueError: "):].strip()) from err
+
+    return call
 
 
 # ------------------------------------------------------------- per-example, by differentiation
@@ -158,8 +281,8 @@ def _one_example_gradients(model, loss_fn, variables, training):
 
 
 def _loop(model, loss_fn, x, y, training, variables):
-    step = _cached(model, ("loop", loss_fn, training, tuple(id(v) for v in variables)),
-                   lambda: tf.function(_one_example_gradients(model, loss_fn, variables, training)))
+    step = _cached(model, ("loop", loss_fn, training), lambda: _checked_function(
+        _one_example_gradients(model, loss_fn, variables, training)))
     batch = _batch_size(x, "x")
     rows = [step(tf.nest.map_structure(lambda t: t[i], x), tf.nest.map_structure(lambda t: t[i], y))
             for i in range(batch)]
@@ -169,16 +292,18 @@ def _loop(model, loss_fn, x, y, training, variables):
 def _vectorized_fn(model, loss_fn, training, variables):
     one = _one_example_gradients(model, loss_fn, variables, training)
 
-    @tf.function(reduce_retracing=True)
     def vectorized(x, y):
         return tf.vectorized_map(lambda xy: one(*xy), (x, y), fallback_to_while_loop=True)
 
-    return vectorized
+    # Traced for each batch shape (no shape relaxation), so that the graph carries the real
+    # shapes that broadcast_matmul_hazards needs in order to tell a hazard from a safe matmul.
+    return _checked_function(vectorized)
 
 
 def _vectorized(model, loss_fn, x, y, training, variables):
-    key = ("vectorized", loss_fn, training, tuple(id(v) for v in variables))
-    return _cached(model, key, lambda: _vectorized_fn(model, loss_fn, training, variables))(x, y)
+    fn = _cached(model, ("vectorized", loss_fn, training),
+                 lambda: _vectorized_fn(model, loss_fn, training, variables))
+    return fn(x, y)
 
 
 def _map_fn(model, loss_fn, x, y, training, variables):
@@ -187,273 +312,62 @@ def _map_fn(model, loss_fn, x, y, training, variables):
         # Every entry needs a shape: a bare tf.TensorSpec(dtype=...) raises TypeError.
         signature = [tf.TensorSpec(v.shape, v.dtype) for v in variables]
 
-        @tf.function(reduce_retracing=True)
         def mapped(x, y):
-            return tf.map_fn(lambda xy: one(*xy), (x, y), fn_output_signature=signature,
-                             parallel_iterations=MAP_FN_PARALLEL_ITERATIONS)
+            # tf.map_fn sets a caching device on the variable scope and resets it only when fn
+            # returns; if fn raises, every later MirroredStrategy().scope() in the process
+            # fails ("Caching devices is not yet supported"). Restore it whatever happens.
+            scope = tf.compat.v1.get_variable_scope()
+            before = scope.caching_device
+            try:
+                return tf.map_fn(lambda xy: one(*xy), (x, y), fn_output_signature=signature,
+                                 parallel_iterations=MAP_FN_PARALLEL_ITERATIONS)
+            finally:
+                scope.set_caching_device(before)
 
-        return mapped
+        return _checked_function(mapped, reduce_retracing=True)
 
     return _cached(model, ("map_fn", loss_fn, training), build)(x, y)
 
 
 def _jacobian(model, loss_fn, x, y, training, variables):
     def build():
-        @tf.function(reduce_retracing=True)
         def jacobian(x, y):
             with tf.GradientTape() as tape:
                 losses = _per_example_losses(model, loss_fn, x, y, training)
             return _densify(tape.jacobian(losses, variables, experimental_use_pfor=True), variables)
 
-        return jacobian
+        return _checked_function(jacobian)  # one trace per batch shape, as in _vectorized_fn
 
     return _cached(model, ("jacobian", loss_fn, training), build)(x, y)
 
 
-# ----------------------------------------------------- one backward pass: recorded activations
+# ------------------------------------------------ one backward pass: the layer rules
 
 
-def _supported_rule(layer):
-    """Which closed-form rule applies to a layer's own variables, or None."""
-    if not layer.trainable or not layer.trainable_variables:
-        return None
-    if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
-        return None
-    kind = type(layer)
-    if kind is keras.layers.Dense:
-        return "dense"
-    if kind is keras.layers.Embedding:
-        return "embedding"
-    if (kind is keras.layers.Conv2D and layer.groups == 1
-            and layer.data_format == "channels_last"):
-        return "conv2d"
-    return None
-
-
-def ghost_norm_plan(model):
-    """Which rule computes each trainable layer's per-example gradients and norms.
-
-    Returns:
-      dict ``{layer.name: rule}`` for every layer that owns trainable variables, where rule is
-      ``"dense"`` (Goodfellow's ``||a||^2 ||g||^2``, or the Gram-matrix form for 3-D inputs),
-      ``"embedding"`` (token-match Gram form), ``"conv2d"`` (outer product of image patches,
-      per layer) or ``"vectorized"`` (no closed form: that layer's variables are materialised
-      with ``tf.vectorized_map``).
-
-    Example:
-      >>> ghost_norm_plan(model)  # doctest: +SKIP
-      {'dense': 'dense', 'layer_normalization': 'vectorized', 'dense_1': 'dense'}
-    """
-    plan = {}
-    for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
-        owns = [v for v in layer.trainable_variables
-                if not any(v is w for sub in layer._flatten_layers(include_self=False)  # pylint: disable=protected-access
-                           for w in sub.trainable_variables)]
-        if owns:
-            plan[layer.name] = _supported_rule(layer) or "vectorized"
-    return plan
-
-
-class _Record:
-    """What one call of a supported layer saw: its inputs and its pre-activation output."""
-
-    def __init__(self, layer, rule, inputs, z):
-        self.layer, self.rule, self.inputs, self.z = layer, rule, inputs, z
-
-
-def _recording_call(layer, rule, records):
-    """A replacement for ``layer.call`` that computes the same output and records (a, z)."""
-
-    def dense_call(inputs, training=None):  # pylint: disable=unused-argument
-        z = keras.ops.matmul(inputs, layer.kernel)
-        if layer.bias is not None:
-            z = z + layer.bias
-        records.append(_Record(layer, rule, inputs, z))
-        return layer.activation(z) if layer.activation is not None else z
-
-    def embedding_call(inputs):
-        ids = tf.cast(inputs, tf.int32)
-        z = tf.gather(layer.embeddings, ids)
-        records.append(_Record(layer, rule, ids, z))
-        return tf.cast(z, layer.compute_dtype)
-
-    def conv2d_call(inputs):
-        z = layer.convolution_op(inputs, layer.kernel)
-        if layer.use_bias:
-            z = z + layer.bias
-        records.append(_Record(layer, rule, inputs, z))
-        return layer.activation(z) if layer.activation is not None else z
-
-    return {"dense": dense_call, "embedding": embedding_call, "conv2d": conv2d_call}[rule]
-
-
-@contextlib.contextmanager
-def _recording(layers_and_rules, records):
-    """Temporarily route each supported layer's ``call`` through a recording version."""
-    patched = []
-    try:
-        for layer, rule in layers_and_rules:
-            layer.call = _recording_call(layer, rule, records)
-            patched.append(layer)
-        yield
-    finally:
-        for layer in patched:
-            del layer.call
-
-
-def _supported_layers(model):
-    return [(layer, rule) for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
-            if (rule := _supported_rule(layer))]
-
-
-def _batched_rows(t, batch, width):
-    """Reshape ``[B, ..., width]`` to ``[B, T, width]``, T the product of the middle dims.
-
-    T stays static where the input's shape is known, so 2-D inputs take the cheap T == 1 path.
-    """
-    if t.shape.rank == 2:
-        return t[:, None, :]
-    middle = t.shape[1:-1]
-    steps = middle.num_elements() if middle.is_fully_defined() else -1
-    return tf.reshape(t, [batch, steps, width])
-
-
-def _merged(records, grads):
-    """Per layer: inputs and output-gradients of all its calls, concatenated along T."""
-    by_layer = {}
-    for rec, g in zip(records, grads):
-        if g is None:
-            raise ValueError(f"layer {rec.layer.name!r} was called but its output does not reach "
-                             "the loss, so its variables get no gradient")
-        by_layer.setdefault(id(rec.layer), []).append((rec, g))
-    merged = []
-    for calls in by_layer.values():
-        layer, rule = calls[0][0].layer, calls[0][0].rule
-        batch = tf.shape(calls[0][1])[0]
-        if rule == "dense":
-            din, dout = layer.kernel.shape
-            a = tf.concat([_batched_rows(r.inputs, batch, din) for r, _ in calls], axis=1)
-            g = tf.concat([_batched_rows(gz, batch, dout) for _, gz in calls], axis=1)
-        elif rule == "embedding":
-            a = tf.concat([_batched_rows(r.inputs[..., None], batch, 1)[..., 0] for r, _ in calls],
-                          axis=1)
-            g = tf.concat([_batched_rows(gz, batch, layer.output_dim) for _, gz in calls], axis=1)
-        else:  # conv2d: keep one (patches, grad) pair per call; summed later
-            a = [r.inputs for r, _ in calls]
-            g = [gz for _, gz in calls]
-        merged.append((layer, rule, a, g))
-    return merged
-
-
-def _conv2d_patches(layer, a):
-    kh, kw = layer.kernel_size
-    return tf.image.extract_patches(
-        a, sizes=[1, kh, kw, 1], strides=[1, *layer.strides, 1],
-        rates=[1, *layer.dilation_rate, 1], padding=layer.padding.upper())
-
-
-@tf.function(jit_compile=True)
-def _outer_product(a, g):
-    """``[B, m] x [B, n] -> [B, m, n]``. The result is B x m x n floats that must be written to
-    memory; XLA writes it in one fused pass, measured 1.3x faster than ``tf.einsum`` and 1.7x
-    faster than a broadcast multiply for a 256 x 784 x 256 result on a 2-core CPU."""
-    return a[:, :, None] * g[:, None, :]
-
-
-def _layer_per_example_grads(layer, rule, a, g):
-    """Per-example gradients ``{variable id: [B, *shape]}`` for one supported layer."""
-    if rule == "dense":
-        if a.shape[1] == 1:  # 2-D inputs: a plain outer product, no sum over T
-            kernel = _outer_product(a[:, 0], g[:, 0])
-        else:
-            kernel = tf.einsum("bti,btj->bij", a, g)
-        out = {id(layer.kernel): kernel}
-        if layer.bias is not None:
-            out[id(layer.bias)] = tf.reduce_sum(g, axis=1)
-        return out
-    if rule == "embedding":
-        batch, vocab = tf.shape(a)[0], layer.input_dim
-        segments = tf.reshape(a + tf.range(batch)[:, None] * vocab, [-1])
-        table = tf.math.unsorted_segment_sum(tf.reshape(g, [-1, layer.output_dim]), segments,
-                                             batch * vocab)
-        return {id(layer.embeddings): tf.reshape(table, [batch, vocab, layer.output_dim])}
-    kernel = 0.0
-    bias = 0.0
-    for ai, gi in zip(a, g):
-        kernel += tf.einsum("bhwk,bhwc->bkc", _conv2d_patches(layer, ai), gi)
-        bias += tf.reduce_sum(gi, axis=[1, 2])
-    out = {id(layer.kernel): tf.reshape(kernel, [-1, *layer.kernel.shape])}
-    if layer.use_bias:
-        out[id(layer.bias)] = bias
-    return out
-
-
-def _layer_sq_norms(layer, rule, a, g):
-    """``[B]`` squared norms of one layer's per-example gradients, without materialising them."""
-    if rule == "dense":
-        if a.shape[1] == 1:  # Goodfellow: ||a g^T||^2 = ||a||^2 ||g||^2
-            sq = tf.reduce_sum(tf.square(a[:, 0]), 1) * tf.reduce_sum(tf.square(g[:, 0]), 1)
-        else:  # ||sum_t a_t g_t^T||^2 = sum_ts (a_t . a_s)(g_t . g_s)
-            sq = tf.reduce_sum(tf.einsum("bti,bsi->bts", a, a) * tf.einsum("btj,bsj->bts", g, g),
-                               axis=[1, 2])
-        if layer.bias is not None:
-            sq += tf.reduce_sum(tf.square(tf.reduce_sum(g, axis=1)), axis=1)
-        return sq
-    if rule == "embedding":  # rows add up where token ids repeat
-        same = tf.cast(tf.equal(a[:, :, None], a[:, None, :]), g.dtype)
-        return tf.reduce_sum(same * tf.einsum("btd,bsd->bts", g, g), axis=[1, 2])
-    grads = _layer_per_example_grads(layer, rule, a, g)  # conv kernels are small: materialise
-    return tf.add_n([_sq_norms(t) for t in grads.values()])
-
-
-def _layer_weighted_sum(layer, rule, a, g, weights):
-    """``sum_b weights[b] * grad_b`` for one layer, as one matmul per variable."""
-    if rule == "conv2d":
-        grads = _layer_per_example_grads(layer, rule, a, g)
-        return {k: tf.tensordot(weights, t, axes=1) for k, t in grads.items()}
-    gw = g * tf.cast(weights, g.dtype)[:, None, None]
-    if rule == "dense":
-        out = {id(layer.kernel): tf.einsum("bti,btj->ij", a, gw)}
-        if layer.bias is not None:
-            out[id(layer.bias)] = tf.reduce_sum(gw, axis=[0, 1])
-        return out
-    table = tf.math.unsorted_segment_sum(tf.reshape(gw, [-1, layer.output_dim]),
-                                         tf.reshape(a, [-1]), layer.input_dim)
-    return {id(layer.embeddings): table}
+def _fallback_variables(model, layers):
+    """Trainable variables no recorded layer rule covers: these go through vectorized_map."""
+    covered = {id(v) for layer, rule, _ in layers for v in rule.variables(layer)}
+    return [v for v in model.trainable_variables if id(v) not in covered]
 
 
 def _one_pass(model, loss_fn, x, y, training):
-    """Forward once, backward once; return (recorded layers, per-example losses)."""
-    records = []
-    with _recording(_supported_layers(model), records), tf.GradientTape() as tape:
-        losses = _per_example_losses(model, loss_fn, x, y, training)
-        total = tf.reduce_sum(losses)
-    grads = tape.gradient(total, [r.z for r in records])
-    return _merged(records, grads), losses
-
-
-def _fallback_variables(model, merged):
-    covered = set()
-    for layer, _, _, _ in merged:
-        covered.update(id(v) for v in layer.trainable_variables)
-    return [v for v in model.trainable_variables if id(v) not in covered]
+    return layer_rules.one_pass(model, lambda: _per_example_losses(model, loss_fn, x, y, training))
 
 
 def _outer(model, loss_fn, x, y, training, variables):
     def build():
-        @tf.function(reduce_retracing=True)
         def outer(x, y):
-            merged, _ = _one_pass(model, loss_fn, x, y, training)
+            layers, _ = _one_pass(model, loss_fn, x, y, training)
             found = {}
-            for layer, rule, a, g in merged:
-                found.update(_layer_per_example_grads(layer, rule, a, g))
-            rest = _fallback_variables(model, merged)
+            for layer, rule, pairs in layers:
+                found.update(layer_rules.per_example_of(layer, rule, pairs))
+            rest = _fallback_variables(model, layers)
             if rest:
                 found.update(zip(map(id, rest),
                                  _vectorized_fn(model, loss_fn, training, rest)(x, y)))
-            return [found[id(v)] for v in variables]
+            return [tf.cast(found[id(v)], v.dtype) for v in variables]
 
-        return outer
+        return _checked_function(outer, reduce_retracing=True)
 
     return _cached(model, ("outer", loss_fn, training), build)(x, y)
 
@@ -480,14 +394,16 @@ def per_example_gradients(model, loss_fn, x, y, method="vectorized", *, training
 
     Returns:
       list aligned with ``model.trainable_variables``; entry i has shape ``[B, *var_i.shape]``
-      and entry i row b is ``d loss_b / d var_i``. Their mean over the batch is the gradient of
-      the mean loss.
+      and dtype ``var_i.dtype``, and entry i row b is ``d loss_b / d var_i``. Their mean over
+      the batch is the gradient of the mean loss.
 
     Raises:
       ValueError: unknown method; a loss that reduces over the batch or does not return ``[B]``;
         x and y with different or zero batch sizes; a variable with no gradient;
         BatchNormalization in training mode; random layers (Dropout) in training mode under a
-        method that would share one mask across the batch.
+        method that would share one mask across the batch; grouped convolutions under
+        ``"vectorized"`` or ``"jacobian"``; a graph that hits TensorFlow's oneDNN matmul bug
+        (:func:`broadcast_matmul_hazards`). Each message names the layer and the fix.
 
     Example:
       >>> loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
@@ -499,25 +415,32 @@ def per_example_gradients(model, loss_fn, x, y, method="vectorized", *, training
     return _IMPLEMENTATIONS[method](model, loss_fn, x, y, training, model.trainable_variables)
 
 
-def _sq_norms(per_example):
-    """``[B, ...] -> [B]``: squared L2 norm of each example's slice."""
-    return tf.reduce_sum(tf.square(per_example), axis=list(range(1, per_example.shape.rank)))
+_sq_norms = layer_rules.squared_norms
 
 
-def _norms_from_grads(grads):
-    return tf.sqrt(tf.add_n([_sq_norms(g) for g in grads]))
+def _norm_dtype(model):
+    return tf.float64 if any(v.dtype == "float64" for v in model.trainable_variables) else tf.float32
+
+
+def _norms_from_grads(model, grads):
+    dtype = _norm_dtype(model)
+    return tf.sqrt(tf.add_n([tf.cast(_sq_norms(g), dtype) for g in grads]))
 
 
 def _ghost_sq_norms_fn(model, loss_fn, training):
-    """A tf.function returning (merged records, fallback per-example grads, [B] squared norms)."""
+    """A function returning (recorded layers, fallback variables, their per-example grads,
+    ``[B]`` squared norms), for use inside a tf.function."""
 
     def ghost(x, y):
-        merged, _ = _one_pass(model, loss_fn, x, y, training)
-        parts = [_layer_sq_norms(layer, rule, a, g) for layer, rule, a, g in merged]
-        rest = _fallback_variables(model, merged)
+        layers, _ = _one_pass(model, loss_fn, x, y, training)
+        dtype = _norm_dtype(model)
+        trainable = {id(v) for v in model.trainable_variables}
+        parts = [tf.cast(layer_rules.sq_norms_of(layer, rule, pairs, trainable), dtype)
+                 for layer, rule, pairs in layers]
+        rest = _fallback_variables(model, layers)
         rest_grads = _vectorized_fn(model, loss_fn, training, rest)(x, y) if rest else []
-        parts += [_sq_norms(t) for t in rest_grads]
-        return merged, rest, rest_grads, tf.add_n(parts)
+        parts += [tf.cast(_sq_norms(t), dtype) for t in rest_grads]
+        return layers, rest, rest_grads, tf.add_n(parts)
 
     return ghost
 
@@ -528,14 +451,14 @@ def per_example_gradient_norms(model, loss_fn, x, y, method="ghost", *, training
     Args:
       model, loss_fn, x, y, training: as in :func:`per_example_gradients`.
       method: ``"ghost"`` (default) or any method of :func:`per_example_gradients`. ``"ghost"``
-        runs one forward and one backward pass and never materialises per-example gradients of
-        Dense (2-D inputs: Goodfellow's ``||a||^2 ||g||^2``; 3-D inputs: the Gram-matrix form) or
-        Embedding layers. Conv2D kernels are materialised per layer (they are small); variables
-        of layers with no rule are materialised with ``"vectorized"``. See which layer used which
-        rule with :func:`ghost_norm_plan`.
+        runs one forward and one backward pass. Layers whose rule has a ghost form (Dense,
+        Embedding, convolutions where the Gram matrix is cheaper) never materialise their
+        per-example gradients; other covered layers materialise theirs one layer at a time;
+        variables of layers without a rule are materialised with ``"vectorized"``.
+        :func:`per_example_plan` shows which layer does what.
 
     Returns:
-      ``[B]`` float tensor of norms.
+      ``[B]`` float tensor of norms (float32, or float64 for a float64 model).
 
     Raises:
       ValueError: as :func:`per_example_gradients`.
@@ -547,12 +470,12 @@ def per_example_gradient_norms(model, loss_fn, x, y, method="ghost", *, training
     """
     x, y, _ = _check_call(model, loss_fn, x, y, training, method, NORM_METHODS)
     if method != "ghost":  # arguments are checked: go straight to the implementation
-        return _norms_from_grads(_IMPLEMENTATIONS[method](model, loss_fn, x, y, training,
-                                                          model.trainable_variables))
+        return _norms_from_grads(model, _IMPLEMENTATIONS[method](
+            model, loss_fn, x, y, training, model.trainable_variables))
 
     def build():
         ghost = _ghost_sq_norms_fn(model, loss_fn, training)
-        return tf.function(lambda x, y: tf.sqrt(ghost(x, y)[-1]), reduce_retracing=True)
+        return _checked_function(lambda x, y: tf.sqrt(ghost(x, y)[-1]), reduce_retracing=True)
 
     return _cached(model, ("ghost", loss_fn, training), build)(x, y)
 
@@ -563,9 +486,9 @@ def clipped_gradient(model, loss_fn, x, y, l2_norm_clip, noise_multiplier=0.0, s
 
     ``mean_b( g_b * min(1, C / ||g_b||) ) + N(0, (noise_multiplier * C / B)^2)`` per coordinate,
     where ``g_b`` is example b's gradient over all trainable variables and ``C = l2_norm_clip``.
-    Computed from ghost norms and one reweighted sum per layer (a matmul of the recorded layer
-    inputs with the clip-weighted output gradients), so per-example gradients of supported
-    layers are never materialised.
+    Computed from ghost norms and one reweighted sum per layer (for Dense: a matmul of the
+    recorded layer inputs with the clip-weighted output gradients), so per-example gradients
+    of layers with a ghost rule are never materialised.
 
     Args:
       model, loss_fn, x, y, training: as in :func:`per_example_gradients`.
@@ -574,7 +497,8 @@ def clipped_gradient(model, loss_fn, x, y, l2_norm_clip, noise_multiplier=0.0, s
       seed: int for reproducible noise (stateless random), or None.
 
     Returns:
-      list aligned with ``model.trainable_variables``, each shaped like its variable.
+      list aligned with ``model.trainable_variables``, each shaped like its variable, in its
+      dtype.
 
     Raises:
       ValueError: ``l2_norm_clip <= 0`` or ``noise_multiplier < 0``, and as
@@ -594,32 +518,114 @@ def clipped_gradient(model, loss_fn, x, y, l2_norm_clip, noise_multiplier=0.0, s
     def build():
         ghost = _ghost_sq_norms_fn(model, loss_fn, training)
 
-        @tf.function(reduce_retracing=True)
         def clipped(x, y, clip, noise_std, seed):
-            merged, rest, rest_grads, sq = ghost(x, y)
+            layers, rest, rest_grads, sq = ghost(x, y)
             norms = tf.sqrt(sq)
-            weights = tf.minimum(1.0, clip / tf.maximum(norms, 1e-12)) / tf.cast(tf.size(norms),
-                                                                                 norms.dtype)
+            weights = (tf.minimum(tf.ones_like(norms), tf.cast(clip, norms.dtype) /
+                                  tf.maximum(norms, 1e-12)) / tf.cast(tf.size(norms), norms.dtype))
             found = {}
-            for layer, rule, a, g in merged:
-                found.update(_layer_weighted_sum(layer, rule, a, g, weights))
+            for layer, rule, pairs in layers:
+                found.update(layer_rules.weighted_sum_of(layer, rule, pairs, weights))
             for v, t in zip(rest, rest_grads):
-                found[id(v)] = tf.tensordot(weights, t, axes=1)
-            grads = [found[id(v)] for v in model.trainable_variables]
+                found[id(v)] = tf.tensordot(tf.cast(weights, t.dtype), t, axes=1)
+            grads = [tf.cast(found[id(v)], v.dtype) for v in model.trainable_variables]
             if noise_std is None:
                 return grads
             if seed is None:  # traced once per case: a Python None is part of the signature
-                return [g + tf.random.normal(tf.shape(g), stddev=noise_std, dtype=g.dtype)
-                        for g in grads]
+                return [g + tf.random.normal(tf.shape(g), stddev=tf.cast(noise_std, g.dtype),
+                                             dtype=g.dtype) for g in grads]
             return [g + tf.random.stateless_normal(tf.shape(g), seed=tf.stack([seed, i]),
-                                                   stddev=noise_std, dtype=g.dtype)
+                                                   stddev=tf.cast(noise_std, g.dtype),
+                                                   dtype=g.dtype)
                     for i, g in enumerate(grads)]
 
-        return clipped
+        return _checked_function(clipped, reduce_retracing=True)
 
-    floatx = keras.backend.floatx()
     fn = _cached(model, ("clipped", loss_fn, training), build)
     noise_std = noise_multiplier * l2_norm_clip / batch
-    return fn(x, y, tf.constant(l2_norm_clip, floatx),
-              tf.constant(noise_std, floatx) if noise_std else None,
-              None if seed is None else tf.constant(seed, tf.int64))
+    return fn(x, y, tf.constant(l2_norm_clip, tf.float64),
+                tf.constant(noise_std, tf.float64) if noise_std else None,
+                None if seed is None else tf.constant(seed, tf.int64))
+
+
+# ------------------------------------------------------------------------------- the plan
+
+
+def _owned_trainable(layer):
+    """The trainable variables a layer owns itself (not through a sub-layer)."""
+    inner = {id(w) for sub in layer._flatten_layers(include_self=False)  # pylint: disable=protected-access
+             for w in sub.trainable_variables}
+    return [v for v in layer.trainable_variables if id(v) not in inner]
+
+
+def ghost_norm_plan(model):
+    """Which rule computes each trainable layer's per-example gradients and norms.
+
+    Returns:
+      dict ``{layer.name: rule}`` for every layer that owns trainable variables, where rule is
+      a rule name from :mod:`gradtut.layer_rules` (``"dense"``, ``"einsum_dense"``,
+      ``"embedding"``, ``"conv2d"``, ``"layer_normalization"``, ...) or ``"vectorized"`` (no
+      rule: that layer's variables are materialised with ``tf.vectorized_map``).
+
+    Example:
+      >>> ghost_norm_plan(model)  # doctest: +SKIP
+      {'dense': 'dense', 'batch_normalization': 'vectorized', 'dense_1': 'dense'}
+    """
+    plan = {}
+    for layer in _layers(model):
+        if _owned_trainable(layer):
+            rule = layer_rules.rule_for(layer)
+            plan[layer.name] = rule.name if rule is not None else "vectorized"
+    return plan
+
+
+class Plan(list):
+    """Rows ``(layer, class, rule, norm)``; prints as a table."""
+
+    def __str__(self):
+        header = ("layer", "class", "rule", "norm")
+        widths = [max(len(str(r[i])) for r in [header, *self]) for i in range(4)]
+        lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
+                 for row in [header, *self]]
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, printer, cycle):  # IPython shows the table
+        printer.text(str(self))
+
+
+def per_example_plan(model):
+    """A table, one row per layer that has variables: which rule computes its per-example
+    gradients, and whether its norm is ghost (never materialised) or materialised.
+
+    Rows are ``(layer name, class name, rule, norm)``. ``rule`` is the registered rule's name,
+    ``"vectorized fallback (why)"`` where no rule applies, or ``"no trainable variables"`` (a
+    frozen layer). ``norm`` is ``"ghost"``, ``"materialised"`` (per layer, by its rule),
+    ``"materialised (vectorized_map)"`` or ``"-"``. For convolutions and Dense on sequences the
+    choice follows the layer's built input shape (ghost when 2 T^2 <= d p).
+
+    Example:
+      >>> print(per_example_plan(model))  # doctest: +SKIP
+      layer    class               rule                  norm
+      dense    Dense               dense                 ghost
+      norm     LayerNormalization  layer_normalization   materialised
+    """
+    rows = Plan()
+    for layer in _layers(model):
+        inner = {id(w) for sub in layer._flatten_layers(include_self=False)  # pylint: disable=protected-access
+                 for w in sub.weights}
+        if not [v for v in layer.weights if id(v) not in inner]:
+            continue  # no variables of its own (Flatten, or a block made of sub-layers)
+        cls = type(layer).__name__
+        if not _owned_trainable(layer):
+            rows.append((layer.name, cls, "no trainable variables", "-"))
+            continue
+        rule = layer_rules.rule_for(layer)
+        if rule is None:
+            _, why = layer_rules.explain(layer)
+            rows.append((layer.name, cls, f"vectorized fallback ({why})",
+                         "materialised (vectorized_map)"))
+            continue
+        shape = next(iter(getattr(layer, "_build_shapes_dict", {}).values()), None)
+        ghost = shape is not None and rule.ghost(layer, tuple(shape))
+        rows.append((layer.name, cls, rule.name, "ghost" if ghost else "materialised"))
+    return rows

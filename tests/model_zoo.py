@@ -7,62 +7,196 @@ import numpy as np
 TEST_VIRTUAL_CPUS = 4
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
 CLASSES = 3
+VOCAB = 20
+L = keras.layers
 
 
-def mlp():
-    return keras.Sequential([keras.Input((12,)), keras.layers.Dense(8, activation="tanh"),
-                             keras.layers.Dense(CLASSES)], name="mlp")
+def mlp(dtype=None):
+    return keras.Sequential([keras.Input((12,)), L.Dense(8, activation="tanh", dtype=dtype),
+                             L.Dense(CLASSES, dtype=dtype)], name="mlp")
 
 
 def cnn():
-    """A small CNN on 8x8 images: same and valid padding, a stride and a dilation."""
+    """A small CNN on 8x8 images: same and valid padding, a stride, a dilation."""
     return keras.Sequential([
         keras.Input((8, 8, 1)),
-        keras.layers.Conv2D(4, 3, padding="same", activation="relu"),
-        keras.layers.Conv2D(3, 3, strides=2, padding="valid", activation="relu"),
-        keras.layers.Conv2D(2, 2, dilation_rate=2, padding="same"),
-        keras.layers.Flatten(),
-        keras.layers.Dense(CLASSES),
+        L.Conv2D(4, 3, padding="same", activation="relu"),
+        L.Conv2D(3, 3, strides=2, padding="valid", activation="relu"),
+        L.Conv2D(4, 2, dilation_rate=2, padding="same"),
+        L.Conv2D(16, 2),  # 2x2 outputs: the Gram (ghost) form is the cheaper one here
+        L.Flatten(),
+        L.Dense(CLASSES),
     ], name="cnn")
+
+
+def grouped_conv():
+    """Conv2D(groups=2), with a stride, and no bias on the second."""
+    return keras.Sequential([
+        keras.Input((8, 8, 4)),
+        L.Conv2D(4, 3, groups=2, padding="same", activation="relu"),
+        L.Conv2D(6, 2, groups=2, strides=2, use_bias=False),
+        L.GlobalAveragePooling2D(),
+        L.Dense(CLASSES),
+    ], name="grouped_conv")
+
+
+def depthwise():
+    return keras.Sequential([
+        keras.Input((8, 8, 3)),
+        L.DepthwiseConv2D(3, depth_multiplier=2, strides=2, padding="same", activation="relu"),
+        L.DepthwiseConv2D(2, dilation_rate=2, use_bias=False),
+        L.Flatten(),
+        L.Dense(CLASSES),
+    ], name="depthwise")
+
+
+def conv1d():
+    """Conv1D: causal with dilation, then strided valid; RMS normalisation between."""
+    layers = [keras.Input((10, 3)), L.Conv1D(4, 3, padding="causal", dilation_rate=2)]
+    if hasattr(L, "RMSNormalization"):
+        layers.append(L.RMSNormalization())
+    layers += [L.Conv1D(3, 2, strides=2, activation="tanh"), L.GlobalAveragePooling1D(),
+               L.Dense(CLASSES)]
+    return keras.Sequential(layers, name="conv1d")
+
+
+def conv3d():
+    return keras.Sequential([keras.Input((4, 4, 4, 2)), L.Conv3D(3, 2, padding="same"),
+                             L.Conv3D(2, 2, strides=2), L.Flatten(), L.Dense(CLASSES)],
+                            name="conv3d")
+
+
+def layer_norm():
+    return keras.Sequential([keras.Input((12,)), L.Dense(8), L.LayerNormalization(),
+                             L.Dense(CLASSES)], name="layer_norm")
+
+
+def group_norm():
+    return keras.Sequential([keras.Input((6, 6, 2)), L.Conv2D(4, 3), L.GroupNormalization(2),
+                             L.Flatten(), L.Dense(CLASSES)], name="group_norm")
 
 
 def text():
     """Embedding + Dense on 3-D inputs (the Gram-matrix rule) + pooling + Dense."""
     return keras.Sequential([
         keras.Input((6,), dtype="int32"),
-        keras.layers.Embedding(20, 5),
-        keras.layers.Dense(4, activation="tanh"),
-        keras.layers.GlobalAveragePooling1D(),
-        keras.layers.Dense(CLASSES),
+        L.Embedding(VOCAB, 5),
+        L.Dense(4, activation="tanh"),
+        L.GlobalAveragePooling1D(),
+        L.Dense(CLASSES),
     ], name="text")
 
 
-def no_rule():
-    """LayerNormalization has no closed-form rule: its variables fall back to vectorized_map."""
-    return keras.Sequential([keras.Input((12,)), keras.layers.Dense(8),
-                             keras.layers.LayerNormalization(), keras.layers.Dense(CLASSES)],
-                            name="no_rule")
+def masked_text():
+    """Embedding(mask_zero=True): the mask reaches the pooling; padded tokens add nothing."""
+    return keras.Sequential([keras.Input((6,), dtype="int32"), L.Embedding(VOCAB, 4, mask_zero=True),
+                             L.GlobalAveragePooling1D(), L.Dense(CLASSES)], name="masked_text")
+
+
+def attention():
+    inputs = keras.Input((4, 8))
+    h = L.MultiHeadAttention(num_heads=2, key_dim=4)(inputs, inputs)
+    return keras.Model(inputs, L.Dense(CLASSES)(L.Flatten()(h)), name="attention")
+
+
+def transformer():
+    """One pre-norm transformer block: attention, LayerNormalization, a feed-forward block."""
+    inputs = keras.Input((4, 8))
+    h = L.LayerNormalization()(inputs)
+    h = inputs + L.MultiHeadAttention(num_heads=2, key_dim=4)(h, h)
+    f = L.LayerNormalization()(h)
+    h = h + L.Dense(8)(L.Dense(16, activation="gelu")(f))
+    return keras.Model(inputs, L.Dense(CLASSES)(L.GlobalAveragePooling1D()(h)),
+                       name="transformer")
+
+
+def two_inputs():
+    a, b = keras.Input((5,), name="a"), keras.Input((3,), name="b")
+    h = L.Concatenate()([L.Dense(4, activation="tanh")(a), L.Dense(4)(b)])
+    return keras.Model([a, b], L.Dense(CLASSES)(h), name="two_inputs")
 
 
 def shared_dense():
     """One Dense layer called twice (weight sharing): its per-example gradient sums both calls."""
     inputs = keras.Input((12,))
-    shared = keras.layers.Dense(12, activation="tanh")
-    outputs = keras.layers.Dense(CLASSES)(shared(shared(inputs)))
+    shared = L.Dense(12, activation="tanh")
+    outputs = L.Dense(CLASSES)(shared(shared(inputs)))
     return keras.Model(inputs, outputs, name="shared_dense")
 
 
-MODELS = {"mlp": mlp, "cnn": cnn, "text": text, "no_rule": no_rule, "shared_dense": shared_dense}
-INPUT_SHAPES = {"mlp": (12,), "cnn": (8, 8, 1), "text": (6,), "no_rule": (12,),
-                "shared_dense": (12,)}
+class _DiscardsSecondCall(keras.Model):
+    """A shared layer whose second call's output is thrown away."""
+
+    def __init__(self):
+        super().__init__(name="discarded_call")
+        self.shared = L.Dense(6, activation="tanh")
+        self.head = L.Dense(CLASSES)
+
+    def call(self, x):
+        h = self.shared(x)
+        self.shared(x * 2.0)  # computed, never used
+        return self.head(h)
+
+
+def discarded_call():
+    model = _DiscardsSecondCall()
+    model(np.zeros((1, 6), "float32"))
+    return model
+
+
+def frozen():
+    model = keras.Sequential([keras.Input((12,)), L.Dense(8, activation="tanh", name="frozen"),
+                              L.Dense(6, activation="tanh"), L.Dense(CLASSES)], name="frozen")
+    model.get_layer("frozen").trainable = False
+    return model
+
+
+class _Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__(name="subclassed")
+        self.body = [L.Dense(8, activation="relu"), L.LayerNormalization()]
+        self.head = L.Dense(CLASSES)
+
+    def call(self, x):
+        for layer in self.body:
+            x = layer(x)
+        return self.head(x)
+
+
+def subclassed():
+    model = _Subclassed()
+    model(np.zeros((1, 12), "float32"))
+    return model
+
+
+def no_rule():
+    """PReLU has no rule: its variables fall back to vectorized_map."""
+    return keras.Sequential([keras.Input((12,)), L.Dense(8), L.PReLU(), L.Dense(CLASSES)],
+                            name="no_rule")
+
+
+MODELS = {f.__name__: f for f in (
+    mlp, two_inputs, cnn, grouped_conv, depthwise, conv1d, conv3d, layer_norm, group_norm,
+    text, masked_text, attention, transformer, shared_dense, discarded_call, frozen,
+    subclassed, no_rule)}
+INPUT_SHAPES = {"mlp": (12,), "cnn": (8, 8, 1), "grouped_conv": (8, 8, 4),
+                "depthwise": (8, 8, 3), "conv1d": (10, 3), "conv3d": (4, 4, 4, 2),
+                "layer_norm": (12,), "group_norm": (6, 6, 2), "text": (6,), "masked_text": (6,),
+                "attention": (4, 8), "transformer": (4, 8), "shared_dense": (12,),
+                "discarded_call": (6,), "frozen": (12,), "subclassed": (12,), "no_rule": (12,)}
 
 
 def batch_for(name, batch_size, seed=0):
+    """A batch for model ``name``: ``(x, y)``; a new seed gives fresh values."""
     rng = np.random.default_rng(seed)
-    if name == "text":
-        x = rng.integers(0, 20, size=(batch_size, 6)).astype("int32")
-        x[:, 3] = x[:, 0]  # repeated tokens exercise the embedding rule's cross terms
-    else:
-        x = rng.normal(size=(batch_size, *INPUT_SHAPES[name])).astype("float32")
     y = rng.integers(0, CLASSES, size=(batch_size,))
-    return x, y
+    if name == "two_inputs":
+        return [rng.normal(size=(batch_size, 5)).astype("float32"),
+                rng.normal(size=(batch_size, 3)).astype("float32")], y
+    if name in ("text", "masked_text"):
+        x = rng.integers(0, VOCAB, size=(batch_size, 6)).astype("int32")
+        x[:, 3] = x[:, 0]  # repeated tokens exercise the embedding rule's cross terms
+        if name == "masked_text":
+            x[:, 4:] = 0  # padding
+        return x, y
+    return rng.normal(size=(batch_size, *INPUT_SHAPES[name])).astype("float32"), y

@@ -1,0 +1,660 @@
+"""Per-layer rules: per-example gradients from one forward and one backward pass (notebook 01).
+
+A rule knows one Keras layer class. For one pass, each covered layer's ``call`` is replaced
+by the rule's :meth:`LayerRule.forward`, which computes the same output and records, for that
+call, the tensors the rule needs: ``a`` (what the weights multiply: the input, its image
+patches, the normalised input) and ``z`` (the result of that product, on the path to the
+output). One backward pass of the *summed* loss gives ``g = dL/dz``, whose row ``b`` depends on
+example ``b`` only, so ``(a, g)`` row by row gives each example's gradient:
+
+- :meth:`LayerRule.per_example`: ``[B, *variable.shape]`` per variable (required);
+- :meth:`LayerRule.sq_norms`: ``[B]`` squared norms without materialising them ("ghost"),
+  or ``None`` where materialising is cheaper (optional);
+- :meth:`LayerRule.weighted_sum`: ``sum_b w[b] * grad_b`` as one contraction (optional).
+
+Rules are registered against an exact layer class with :func:`register_rule`, so a subclass
+that overrides ``call`` is never handled by its parent's rule; a layer without a rule is left
+to ``tf.vectorized_map`` by the caller (:mod:`gradtut.per_example`). Readers add their own::
+
+    @register_rule(MyScale)                 # y = x * w, w of shape [d]
+    class MyScaleRule(LayerRule):
+        def variables(self, layer):
+            return [layer.w]
+
+        def forward(self, layer, x):
+            z = x * layer.w
+            return z, x, z                  # (layer output, a, z)
+
+        def per_example(self, layer, a, g):
+            return [tf.reduce_sum(a * g, axis=list(range(1, a.shape.rank - 1)))]
+
+Valid only because examples do not interact in the forward pass (no BatchNormalization in
+training mode), and because a covered layer's variables are used only inside its own calls.
+"""
+import contextlib
+
+import keras
+import tensorflow as tf
+
+_RULES = {}  # exact Keras layer class -> LayerRule instance
+
+
+def register_rule(layer_class):
+    """Class decorator: use this :class:`LayerRule` subclass for layers of exactly ``layer_class``.
+
+    Registering again for the same class replaces the earlier rule.
+
+    Example:
+      >>> @register_rule(keras.layers.Dense)  # doctest: +SKIP
+      ... class MyDenseRule(LayerRule): ...
+    """
+    if not (isinstance(layer_class, type) and issubclass(layer_class, keras.layers.Layer)):
+        raise TypeError(f"register_rule needs a Keras layer class, got {layer_class!r}")
+
+    def register(rule_class):
+        if not (isinstance(rule_class, type) and issubclass(rule_class, LayerRule)):
+            raise TypeError(f"@register_rule decorates a LayerRule subclass, got {rule_class!r}")
+        _RULES[layer_class] = rule_class()
+        return rule_class
+
+    return register
+
+
+def rule_for(layer):
+    """The rule that covers ``layer``'s variables, or None (no rule, frozen, or refused)."""
+    rule = _RULES.get(type(layer))
+    if rule is None or not layer.trainable or not layer.trainable_variables:
+        return None
+    if rule.unsupported(layer) is not None:
+        return None
+    return rule
+
+
+def explain(layer):
+    """``(rule name or "vectorized fallback", why)`` for a layer that owns trainable variables."""
+    rule = _RULES.get(type(layer))
+    if rule is None:
+        return "vectorized fallback", f"no rule registered for {type(layer).__name__}"
+    reason = rule.unsupported(layer)
+    if reason is not None:
+        return "vectorized fallback", reason
+    return rule.name, ""
+
+
+class LayerRule:
+    """How one layer type's per-example gradients follow from ``(a, g)``; subclass and register.
+
+    ``a`` and ``g`` arrive with the batch first, ``g`` cast to the variables' dtype.
+    """
+
+    name = "custom"
+
+    def unsupported(self, layer):
+        """None if the rule applies to this layer's configuration, else the reason it does not."""
+        if getattr(layer, "lora_enabled", False):
+            return "LoRA is enabled"
+        if getattr(layer, "quantization_mode", None):
+            return f"quantized ({layer.quantization_mode})"
+        return None
+
+    def variables(self, layer):
+        """The variables the rule computes gradients for, in the order ``per_example`` returns."""
+        raise NotImplementedError
+
+    def forward(self, layer, inputs):
+        """``(output, a, z)``: the layer's output computed from ``z``, and what to record."""
+        raise NotImplementedError
+
+    def per_example(self, layer, a, g):
+        """List aligned with :meth:`variables`: ``[B, *variable.shape]`` each."""
+        raise NotImplementedError
+
+    def sq_norms(self, layer, a, g):
+        """``[B]`` squared norms over :meth:`variables` without materialising, or None."""
+        return None
+
+    def ghost(self, layer, input_shape):
+        """Whether :meth:`sq_norms` takes its ghost form for inputs of this shape (for the plan)."""
+        return False
+
+    def weighted_sum(self, layer, a, g, weights):
+        """``sum_b weights[b] * grad_b`` per variable; by default from :meth:`per_example`."""
+        return [tf.tensordot(weights, t, axes=1) for t in self.per_example(layer, a, g)]
+
+    def merge(self, layer, calls):
+        """Combine the ``(a, g)`` of several calls of one layer, where the rule can (default: no)."""
+        return calls
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+
+def _apply_activation(layer, z):
+    return layer.activation(z) if getattr(layer, "activation", None) is not None else z
+
+
+def _rows(t, width):
+    """``[B, ..., width] -> [B, T, width]``; T static where the shape is known."""
+    middle = t.shape[1:-1]
+    steps = middle.num_elements() if middle.is_fully_defined() else -1
+    return tf.reshape(t, [tf.shape(t)[0], steps, width])
+
+
+def _gram_sq_norm(a, g):
+    """``||sum_t a_t g_t^T||^2 = sum_ts (a_t . a_s)(g_t . g_s)`` for ``a [B,T,m]``, ``g [B,T,n]``."""
+    if a.shape[1] == 1:  # Goodfellow: ||a g^T||^2 = ||a||^2 ||g||^2
+        return tf.reduce_sum(tf.square(a[:, 0]), 1) * tf.reduce_sum(tf.square(g[:, 0]), 1)
+    return tf.reduce_sum(tf.einsum("bti,bsi->bts", a, a) * tf.einsum("btj,bsj->bts", g, g),
+                         axis=[1, 2])
+
+
+def _ghost_is_cheaper(steps, m, n):
+    """The mixed ghost-clipping rule (Bu et al. 2022): Gram form costs ~2 T^2 per example,
+    materialising costs m * n; ghost when ``2 T^2 <= m * n``."""
+    return steps is not None and 2 * steps * steps <= m * n
+
+
+def _sum_except(t, keep_axes):
+    """Sum ``t [B, ...]`` over every axis but 0 and ``keep_axes`` (positive, sorted)."""
+    axes = [i for i in range(1, t.shape.rank) if i not in keep_axes]
+    return tf.reduce_sum(t, axis=axes) if axes else t
+
+
+# --------------------------------------------------------------------------------- the rules
+
+
+@register_rule(keras.layers.Dense)
+class DenseRule(LayerRule):
+    """``z = a @ kernel + bias`` on inputs of any rank ``[B, ..., d]``."""
+
+    name = "dense"
+
+    def variables(self, layer):
+        return [layer.kernel] + ([layer.bias] if layer.bias is not None else [])
+
+    def forward(self, layer, inputs):
+        # A 2-D matmul, whatever the input rank: TensorFlow's oneDNN kernel computes some
+        # broadcast batch matmuls wrongly (tensorflow/tensorflow#117700).
+        kernel = tf.cast(layer.kernel, inputs.dtype)
+        if inputs.shape.rank == 2:
+            z = tf.matmul(inputs, kernel)
+        else:
+            d, n = layer.kernel.shape
+            z = tf.matmul(tf.reshape(inputs, [-1, d]), kernel)
+            z = tf.reshape(z, tf.concat([tf.shape(inputs)[:-1], [n]], 0))
+        if layer.bias is not None:
+            z = z + tf.cast(layer.bias, z.dtype)
+        return _apply_activation(layer, z), inputs, z
+
+    def merge(self, layer, calls):  # the calls of a shared layer line up along T
+        d, n = layer.kernel.shape
+        return [(tf.concat([_rows(a, d) for a, _ in calls], 1),
+                 tf.concat([_rows(g, n) for _, g in calls], 1))]
+
+    def per_example(self, layer, a, g):
+        d, n = layer.kernel.shape
+        a, g = _rows(a, d), _rows(g, n)
+        kernel = (a[:, 0, :, None] * g[:, 0, None, :] if a.shape[1] == 1
+                  else tf.einsum("bti,btj->bij", a, g))
+        return [kernel] + ([tf.reduce_sum(g, 1)] if layer.bias is not None else [])
+
+    def ghost(self, layer, input_shape):
+        steps = 1
+        for s in input_shape[1:-1]:
+            steps = None if s is None or steps is None else steps * s
+        return _ghost_is_cheaper(steps, *layer.kernel.shape)
+
+    def sq_norms(self, layer, a, g):
+        if a.shape.rank == 2:  # Goodfellow: ||a g^T||^2 = ||a||^2 ||g||^2, and ||g||^2 for the bias
+            g_sq = tf.reduce_sum(tf.square(g), 1)
+            a_sq = tf.reduce_sum(tf.square(a), 1)
+            return g_sq * (a_sq + 1.0) if layer.bias is not None else g_sq * a_sq
+        d, n = layer.kernel.shape
+        a, g = _rows(a, d), _rows(g, n)
+        if not _ghost_is_cheaper(a.shape[1], d, n):
+            return None
+        sq = _gram_sq_norm(a, g)
+        if layer.bias is not None:
+            sq += tf.reduce_sum(tf.square(tf.reduce_sum(g, 1)), 1)
+        return sq
+
+    def weighted_sum(self, layer, a, g, weights):
+        d, n = layer.kernel.shape
+        a, g = tf.reshape(a, [-1, d]), _rows(g, n)
+        gw = g * weights[:, None, None]
+        gw_flat = tf.reshape(gw, [-1, n])
+        return ([tf.matmul(a, gw_flat, transpose_a=True)] +
+                ([tf.reduce_sum(gw_flat, 0)] if layer.bias is not None else []))
+
+
+@register_rule(keras.layers.EinsumDense)
+class EinsumDenseRule(LayerRule):
+    """``z = einsum(equation, a, kernel) + bias``; the attention projections are EinsumDense."""
+
+    name = "einsum_dense"
+
+    def unsupported(self, layer):
+        reason = super().unsupported(layer)
+        if reason is None:
+            inputs, rest = layer.equation.split(",")
+            kernel, out = rest.split("->")
+            if inputs[0] in kernel or inputs[0] != out[0] or "." in layer.equation:
+                reason = f"equation {layer.equation!r} does not keep the batch axis first"
+        return reason
+
+    def _specs(self, layer):
+        inputs, rest = layer.equation.split(",")
+        kernel, out = rest.split("->")
+        return inputs, kernel, out
+
+    def variables(self, layer):
+        return [layer.kernel] + ([layer.bias] if layer.bias is not None else [])
+
+    def forward(self, layer, inputs):
+        z = tf.einsum(layer.equation, inputs, tf.cast(layer.kernel, inputs.dtype))
+        if layer.bias is not None:
+            z = z + tf.cast(layer.bias, z.dtype)
+        return _apply_activation(layer, z), inputs, z
+
+    def per_example(self, layer, a, g):
+        inputs, kernel, out = self._specs(layer)
+        grads = [tf.einsum(f"{inputs},{out}->{inputs[0]}{kernel}", a, g)]
+        if layer.bias is not None:  # the bias broadcasts over the output's trailing axes
+            rank, bias_rank = g.shape.rank, len(layer.bias.shape)
+            b = _sum_except(g, list(range(rank - bias_rank, rank)))
+            size_one = [i + 1 for i, s in enumerate(layer.bias.shape) if s == 1]
+            if size_one:
+                b = tf.reduce_sum(b, axis=size_one, keepdims=True)
+            grads.append(b)
+        return grads
+
+
+@register_rule(keras.layers.Embedding)
+class EmbeddingRule(LayerRule):
+    """``z = table[ids]``: each example's gradient is a scatter-add of ``g`` into its rows."""
+
+    name = "embedding"
+
+    def variables(self, layer):
+        return [layer.embeddings]
+
+    def forward(self, layer, inputs):
+        ids = tf.cast(inputs, tf.int32)
+        z = tf.gather(layer.embeddings, ids)
+        return tf.cast(z, layer.compute_dtype), ids, z
+
+    def merge(self, layer, calls):
+        width = layer.output_dim
+        return [(tf.concat([_rows(a[..., None], 1)[..., 0] for a, _ in calls], 1),
+                 tf.concat([_rows(g, width) for _, g in calls], 1))]
+
+    def per_example(self, layer, a, g):
+        a, g = _rows(a[..., None], 1)[..., 0], _rows(g, layer.output_dim)
+        batch, vocab = tf.shape(a)[0], layer.input_dim
+        segments = tf.reshape(a + tf.range(batch)[:, None] * vocab, [-1])
+        table = tf.math.unsorted_segment_sum(tf.reshape(g, [-1, layer.output_dim]), segments,
+                                             batch * vocab)
+        return [tf.reshape(table, [batch, vocab, layer.output_dim])]
+
+    def ghost(self, layer, input_shape):
+        return True
+
+    def sq_norms(self, layer, a, g):  # rows add up where a token repeats in an example
+        a, g = _rows(a[..., None], 1)[..., 0], _rows(g, layer.output_dim)
+        same = tf.cast(tf.equal(a[:, :, None], a[:, None, :]), g.dtype)
+        return tf.reduce_sum(same * tf.einsum("btd,bsd->bts", g, g), axis=[1, 2])
+
+    def weighted_sum(self, layer, a, g, weights):
+        a, g = _rows(a[..., None], 1)[..., 0], _rows(g, layer.output_dim)
+        gw = g * weights[:, None, None]
+        return [tf.math.unsorted_segment_sum(tf.reshape(gw, [-1, layer.output_dim]),
+                                             tf.reshape(a, [-1]), layer.input_dim)]
+
+
+def _patches(x, kernel_size, strides, padding, dilation_rate):
+    """Image patches of a channels-last ``x [B, *spatial, C]`` for any spatial rank:
+    ``[B, *out_spatial, K * C]`` with K = prod(kernel_size), ordered (kernel position,
+    channel) like a kernel's ``[*kernel_size, C]``. 1-D and 2-D use ``extract_patches`` (a
+    gather); 3-D uses a convolution with a one-hot kernel, so strides, dilation and padding
+    follow the layer's own convolution exactly."""
+    if len(kernel_size) == 1:  # a 1-D signal is a 2-D image of height 1
+        return _patches(x[:, None], (1, *kernel_size), (1, *strides), padding,
+                        (1, *dilation_rate))[:, 0]
+    if len(kernel_size) == 2:
+        return tf.image.extract_patches(x, sizes=[1, *kernel_size, 1], strides=[1, *strides, 1],
+                                        rates=[1, *dilation_rate, 1], padding=padding.upper())
+    channels = x.shape[-1]
+    k = 1
+    for s in kernel_size:
+        k *= s
+    eye = tf.reshape(tf.eye(k * channels, dtype=x.dtype), [*kernel_size, channels, k * channels])
+    return keras.ops.conv(x, eye, strides=list(strides), padding=padding,
+                          dilation_rate=dilation_rate, data_format="channels_last")
+
+
+class _ConvRule(LayerRule):
+    """Conv1D/2D/3D: ``z = conv(a, kernel) + bias``, with strides, dilation, padding (causal
+    too) and groups. Per-example kernel gradients are patches^T @ g, per group."""
+
+    def unsupported(self, layer):
+        return super().unsupported(layer)
+
+    def variables(self, layer):
+        return [layer.kernel] + ([layer.bias] if layer.use_bias else [])
+
+    def forward(self, layer, inputs):
+        padding = layer.padding
+        if padding == "causal":
+            inputs = keras.ops.pad(inputs, layer._compute_causal_padding())  # pylint: disable=protected-access
+            padding = "valid"
+        z = keras.ops.conv(inputs, tf.cast(layer.kernel, inputs.dtype), strides=list(layer.strides),
+                           padding=padding, dilation_rate=layer.dilation_rate,
+                           data_format=layer.data_format)
+        if layer.use_bias:
+            shape = ((1,) * (layer.rank + 1) + (layer.filters,) if layer.data_format == "channels_last"
+                     else (1, layer.filters) + (1,) * layer.rank)
+            z = z + tf.reshape(tf.cast(layer.bias, z.dtype), shape)
+        return _apply_activation(layer, z), (inputs, padding), z
+
+    def _patches_and_grads(self, layer, a, g):
+        x, padding = a
+        if layer.data_format == "channels_first":
+            x, g = _channels_last(x), _channels_last(g)
+        p = _patches(x, layer.kernel_size, layer.strides, padding, layer.dilation_rate)
+        k_c = p.shape[-1]
+        return _rows(p, k_c), _rows(g, layer.filters)
+
+    def _kernel_sum(self, layer, p, g, per_example):
+        """Patches ``[B, T, K*C]`` times output gradients ``[B, T, F]``, summed over positions
+        (and over the batch unless ``per_example``), per group, in the kernel's layout."""
+        if layer.groups == 1:
+            return tf.einsum("btk,btf->bkf" if per_example else "btk,btf->kf", p, g)
+        equation = "btkgc,btgf->bkcgf" if per_example else "btkgc,btgf->kcgf"
+        groups, channels = layer.groups, layer.kernel.shape[-2] * layer.groups
+        k = p.shape[-1] // channels
+        p = tf.reshape(p, [tf.shape(p)[0], -1, k, groups, channels // groups])
+        g = tf.reshape(g, [tf.shape(g)[0], -1, groups, layer.filters // groups])
+        return tf.einsum(equation, p, g)
+
+    def per_example(self, layer, a, g):
+        p, g = self._patches_and_grads(layer, a, g)
+        kernel = self._kernel_sum(layer, p, g, per_example=True)
+        kernel = tf.reshape(kernel, [-1, *layer.kernel.shape])
+        return [kernel] + ([tf.reduce_sum(g, 1)] if layer.use_bias else [])
+
+    def weighted_sum(self, layer, a, g, weights):
+        p, g = self._patches_and_grads(layer, a, g)
+        gw = g * weights[:, None, None]
+        kernel = self._kernel_sum(layer, p, gw, per_example=False)
+        return ([tf.reshape(kernel, layer.kernel.shape)] +
+                ([tf.reduce_sum(gw, [0, 1])] if layer.use_bias else []))
+
+    def ghost(self, layer, input_shape):
+        if layer.groups != 1:
+            return False
+        out = layer.compute_output_shape(input_shape)
+        spatial = out[1:-1] if layer.data_format == "channels_last" else out[2:]
+        steps = 1
+        for s in spatial:
+            steps = None if s is None or steps is None else steps * s
+        k_c = 1
+        for s in layer.kernel.shape[:-1]:
+            k_c *= s
+        return _ghost_is_cheaper(steps, k_c, layer.filters)
+
+    def sq_norms(self, layer, a, g):
+        if layer.groups != 1:
+            return None
+        p, g = self._patches_and_grads(layer, a, g)
+        if not _ghost_is_cheaper(p.shape[1], p.shape[-1], layer.filters):
+            return None
+        sq = _gram_sq_norm(p, g)
+        if layer.use_bias:
+            sq += tf.reduce_sum(tf.square(tf.reduce_sum(g, 1)), 1)
+        return sq
+
+
+def _channels_last(t):
+    return tf.transpose(t, [0, *range(2, t.shape.rank), 1])
+
+
+
+
+class _DepthwiseRule(LayerRule):
+    """DepthwiseConv1D/2D: each input channel c has its own ``depth_multiplier`` filters."""
+
+    def variables(self, layer):
+        return [layer.kernel] + ([layer.bias] if layer.use_bias else [])
+
+    def forward(self, layer, inputs):
+        z = keras.ops.depthwise_conv(inputs, tf.cast(layer.kernel, inputs.dtype),
+                                     strides=layer.strides, padding=layer.padding,
+                                     dilation_rate=layer.dilation_rate,
+                                     data_format=layer.data_format)
+        if layer.use_bias:
+            out = layer.bias.shape[0]
+            shape = ((1,) * (layer.rank + 1) + (out,) if layer.data_format == "channels_last"
+                     else (1, out) + (1,) * layer.rank)
+            z = z + tf.reshape(tf.cast(layer.bias, z.dtype), shape)
+        return _apply_activation(layer, z), inputs, z
+
+    def per_example(self, layer, a, g):
+        if layer.data_format == "channels_first":
+            a, g = _channels_last(a), _channels_last(g)
+        channels, multiplier = layer.kernel.shape[-2], layer.kernel.shape[-1]
+        p = _patches(a, layer.kernel_size, layer.strides, layer.padding, layer.dilation_rate)
+        p = tf.reshape(_rows(p, p.shape[-1]), [tf.shape(a)[0], -1, p.shape[-1] // channels,
+                                               channels])
+        g = _rows(g, channels * multiplier)
+        gg = tf.reshape(g, [tf.shape(g)[0], -1, channels, multiplier])
+        kernel = tf.reshape(tf.einsum("btkc,btcm->bkcm", p, gg), [-1, *layer.kernel.shape])
+        return [kernel] + ([tf.reduce_sum(g, 1)] if layer.use_bias else [])
+
+
+# One rule class serves each family; each layer class gets its own named subclass.
+for _layer_class, _rule_class, _name in (
+        (keras.layers.Conv1D, _ConvRule, "conv1d"), (keras.layers.Conv2D, _ConvRule, "conv2d"),
+        (keras.layers.Conv3D, _ConvRule, "conv3d"),
+        (keras.layers.DepthwiseConv1D, _DepthwiseRule, "depthwise_conv1d"),
+        (keras.layers.DepthwiseConv2D, _DepthwiseRule, "depthwise_conv2d")):
+    register_rule(_layer_class)(type(f"{_layer_class.__name__}Rule", (_rule_class,),
+                                     {"name": _name}))
+
+
+class _AffineNormRule(LayerRule):
+    """``z = normalised(a) * scale + offset``: the scale's per-example gradient is
+    ``sum(g * normalised)`` and the offset's ``sum(g)`` over every axis the parameter does not
+    have. ``a`` recorded here is the normalised input, which depends on its own example only."""
+
+    def axes(self, layer, rank):
+        """The input axes (positive) the parameters run along."""
+        axis = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
+        return sorted(a % rank for a in axis)
+
+    def params(self, layer):
+        """``(scale or None, offset or None)``."""
+        raise NotImplementedError
+
+    def normalise(self, layer, inputs):
+        raise NotImplementedError
+
+    def variables(self, layer):
+        return [v for v in self.params(layer) if v is not None]
+
+    def forward(self, layer, inputs):
+        x_hat = self.normalise(layer, inputs)
+        rank = inputs.shape.rank
+        axes = self.axes(layer, rank)
+        shape = [inputs.shape[i] if i in axes else 1 for i in range(rank)]
+        scale, offset = self.params(layer)
+        z = x_hat
+        if scale is not None:
+            z = z * tf.reshape(tf.cast(scale, z.dtype), shape)
+        if offset is not None:
+            z = z + tf.reshape(tf.cast(offset, z.dtype), shape)
+        return tf.cast(z, layer.compute_dtype), x_hat, z
+
+    def per_example(self, layer, a, g):
+        axes = self.axes(layer, g.shape.rank)
+        scale, offset = self.params(layer)
+        grads = []
+        if scale is not None:
+            grads.append(tf.reshape(_sum_except(g * tf.cast(a, g.dtype), axes),
+                                    [-1, *scale.shape]))
+        if offset is not None:
+            grads.append(tf.reshape(_sum_except(g, axes), [-1, *offset.shape]))
+        return grads
+
+
+@register_rule(keras.layers.LayerNormalization)
+class LayerNormalizationRule(_AffineNormRule):
+    name = "layer_normalization"
+
+    def params(self, layer):
+        return layer.gamma, layer.beta
+
+    def normalise(self, layer, inputs):
+        return keras.ops.layer_normalization(inputs, None, None, layer.axis, layer.epsilon,
+                                             rms_scaling=layer.rms_scaling)
+
+
+@register_rule(keras.layers.GroupNormalization)
+class GroupNormalizationRule(_AffineNormRule):
+    name = "group_normalization"
+
+    def params(self, layer):
+        return layer.gamma, layer.beta
+
+    def normalise(self, layer, inputs):
+        # Keras's own arithmetic, without the scale and offset (moments in at least float32).
+        rank = inputs.shape.rank
+        axis = layer.axis % rank
+        shape = tf.shape(inputs)
+        grouped = tf.concat([shape[:axis], [layer.groups, shape[axis] // layer.groups],
+                             shape[axis + 1:]], 0)
+        x = tf.reshape(tf.cast(inputs, tf.float32 if inputs.dtype != tf.float64 else tf.float64),
+                       grouped)
+        reduce = [i for i in range(1, rank + 1) if i != axis]
+        mean, variance = tf.nn.moments(x, axes=reduce, keepdims=True)
+        x_hat = (x - mean) * tf.math.rsqrt(variance + layer.epsilon)
+        return tf.cast(tf.reshape(x_hat, shape), inputs.dtype)
+
+
+if hasattr(keras.layers, "RMSNormalization"):
+
+    @register_rule(keras.layers.RMSNormalization)
+    class RMSNormalizationRule(_AffineNormRule):
+        name = "rms_normalization"
+
+        def params(self, layer):
+            return layer.scale, None
+
+        def normalise(self, layer, inputs):
+            return keras.ops.rms_normalization(inputs, None, layer.axis, layer.epsilon)
+
+
+# ---------------------------------------------------------------------- one recorded pass
+
+
+@contextlib.contextmanager
+def recording(layers, calls):
+    """Route each ``(layer, rule)``'s ``call`` through ``rule.forward``, appending
+    ``(layer, rule, a, z)`` to ``calls`` on every call; restore the layers afterwards."""
+    patched = []
+
+    def recorder(layer, rule):
+        def call(inputs, *args, **kwargs):  # pylint: disable=unused-argument
+            out, a, z = rule.forward(layer, inputs)
+            calls.append((layer, rule, a, z))
+            return out
+
+        return call
+
+    try:
+        for layer, rule in layers:
+            layer.call = recorder(layer, rule)
+            patched.append(layer)
+        yield
+    finally:
+        for layer in patched:
+            del layer.call
+
+
+def covered_layers(model):
+    """``[(layer, rule)]`` for every layer of ``model`` that a rule covers."""
+    return [(layer, rule) for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
+            if (rule := rule_for(layer)) is not None]
+
+
+def one_pass(model, per_example_losses):
+    """Run ``per_example_losses()`` (a ``[B]`` tensor) once with covered layers recording, and
+    backpropagate its sum once.
+
+    Returns:
+      ``(layers, losses)``: ``layers`` is a list of ``(layer, rule, [(a, g), ...])``, one entry
+      per covered layer whose output reaches the loss, with ``g`` cast to the layer's variable
+      dtype; calls whose output does not reach the loss are dropped (they add nothing).
+
+    Raises:
+      ValueError: a covered layer was called but none of its calls reaches the loss.
+    """
+    calls = []
+    with recording(covered_layers(model), calls), tf.GradientTape() as tape:
+        losses = per_example_losses()
+        total = tf.reduce_sum(losses)
+    grads = tape.gradient(total, [z for _, _, _, z in calls])
+    by_layer = {}
+    for (layer, rule, a, _), g in zip(calls, grads):
+        by_layer.setdefault(id(layer), (layer, rule, []))[2].append((a, g))
+    layers = []
+    for layer, rule, pairs in by_layer.values():
+        dtype = rule.variables(layer)[0].dtype
+        used = [(_cast_floating(a, dtype), tf.cast(g, dtype)) for a, g in pairs if g is not None]
+        if not used:
+            raise ValueError(
+                f"layer {layer.name!r} is called, but none of its outputs reaches the loss, so "
+                "its variables get no gradient. Freeze it (layer.trainable = False) or remove it.")
+        layers.append((layer, rule, rule.merge(layer, used) if len(used) > 1 else used))
+    return layers, losses
+
+
+def _cast_floating(a, dtype):
+    if isinstance(a, tuple):
+        return tuple(_cast_floating(t, dtype) for t in a)
+    return tf.cast(a, dtype) if isinstance(a, tf.Tensor) and a.dtype.is_floating else a
+
+
+def per_example_of(layer, rule, pairs):
+    """``{id(variable): [B, *shape]}`` for one layer, summed over its calls."""
+    total = None
+    for a, g in pairs:
+        grads = rule.per_example(layer, a, g)
+        total = grads if total is None else [t + u for t, u in zip(total, grads)]
+    return dict(zip(map(id, rule.variables(layer)), total))
+
+
+def sq_norms_of(layer, rule, pairs, trainable_ids):
+    """``[B]`` squared norm of one layer's per-example gradient over its trainable variables:
+    the rule's ghost form where it has one and it is cheaper, else materialised."""
+    variables = rule.variables(layer)
+    if len(pairs) == 1 and all(id(v) in trainable_ids for v in variables):
+        sq = rule.sq_norms(layer, *pairs[0])
+        if sq is not None:
+            return sq
+    grads = per_example_of(layer, rule, pairs)
+    return tf.add_n([squared_norms(t) for k, t in grads.items() if k in trainable_ids])
+
+
+def weighted_sum_of(layer, rule, pairs, weights):
+    """``{id(variable): sum_b weights[b] * grad_b}`` for one layer, summed over its calls."""
+    dtype = rule.variables(layer)[0].dtype
+    total = None
+    for a, g in pairs:
+        sums = rule.weighted_sum(layer, a, g, tf.cast(weights, dtype))
+        total = sums if total is None else [t + u for t, u in zip(total, sums)]
+    return dict(zip(map(id, rule.variables(layer)), total))
+
+
+def squared_norms(per_example):
+    """``[B, ...] -> [B]``: squared L2 norm of each example's slice."""
+    return tf.reduce_sum(tf.square(per_example), axis=list(range(1, per_example.shape.rank)))
