@@ -36,6 +36,8 @@ BUDGET_S = {"01": 120, "02": 120, "03": 150, "04": 120, "05": 150}
 # Run All stops at the first error and leaves the kernel idle: after this long idle with cells
 # never run, the test fails and says where the run stopped.
 IDLE_GRACE_S = 5
+# Queued cells under a kernel that stays idle this long: the requests were lost.
+STALL_S = 30
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update",
                  "--disable-sync"]
@@ -158,6 +160,14 @@ READY = f"""() => {{
             w.sessionContext.session && w.sessionContext.session.kernel &&
             w.context && w.context.path === %s);
 }}"""
+# Restart the notebook's kernel (what Kernel > Restart Kernel does, without its dialog),
+# recording the statuses it goes through.
+RESTART = f"""async () => {{
+  const w = {CURRENT};
+  window.__gradtut_restart = [];
+  w.sessionContext.statusChanged.connect((_, status) => window.__gradtut_restart.push(status));
+  await w.sessionContext.restartKernel();
+}}"""
 # Record every kernel status the notebook's session reports (a restart or a dead kernel shows
 # up here even when it is over by the time we look).
 WATCH = f"""() => {{
@@ -231,13 +241,24 @@ class NotebookRunFailed(AssertionError):
 
 
 def _verdict(state, idle_since, now):
-    """None while the run is healthy and going on; "finished"; or why it has failed."""
+    """None while the run is healthy and going on; "finished"; or why it has failed.
+    ``idle_since``: since when the kernel has been idle without a break (None if busy)."""
     cells = state["cells"]
+    unrun = [c for c in cells if c["count"] is None]
+    culprit = (f" at cell {unrun[0]['cell']} (the first without a result): {unrun[0]['source']}"
+               if unrun else "")
     if state["kernel"] == "dead" or "dead" in state["statuses"]:
-        return f"the kernel died (status {state['kernel']!r})"
+        return f"the kernel died (status {state['kernel']!r}){culprit}"
     if set(state["statuses"]) & RESTARTING:
-        return "the kernel died or was restarted during the run"
-    if any(c["pending"] for c in cells) or state["kernel"] != "idle":
+        return f"the kernel died or was restarted during the run{culprit}"
+    if state["kernel"] != "idle":
+        return None
+    if any(c["pending"] for c in cells):
+        # An idle kernel starts the next queued cell at once; queued cells under a kernel that
+        # stays idle were never sent, or their requests were lost.
+        if idle_since is not None and now - idle_since >= STALL_S:
+            return (f"the kernel has been idle for {now - idle_since:.0f} s while "
+                    f"{sum(c['pending'] for c in cells)} cells wait in the queue")
         return None
     if all(c["count"] is not None for c in cells):
         return "finished"
@@ -281,8 +302,7 @@ def _wait_for_run(page, lab, path):
         state = page.evaluate(STATE)
         pending = [c for c in state["cells"] if c["pending"]]
         running = pending[0] if pending else running
-        busy = state["kernel"] != "idle" or bool(pending)
-        idle_since = None if busy else (idle_since or now)
+        idle_since = None if state["kernel"] != "idle" else (idle_since or now)
         verdict = _verdict(state, idle_since, now)
         if verdict == "finished":
             return
@@ -295,6 +315,17 @@ def _wait_for_run(page, lab, path):
                             f"{running['source']}")
             raise NotebookRunFailed(_report(verdict, state, lab, path, now - start))
         time.sleep(1)
+
+
+def _until(page, lab, path, condition, failure, timeout_s=60):
+    """Wait for a JavaScript condition; on timeout fail with the full per-cell report."""
+    start = time.monotonic()
+    try:
+        page.wait_for_function(condition, timeout=timeout_s * 1000, polling=500)
+    except Exception as err:  # playwright's TimeoutError: report what the page shows instead
+        raise NotebookRunFailed(_report(f"{failure} within {timeout_s} s",
+                                        page.evaluate(STATE), lab, path,
+                                        time.monotonic() - start)) from err
 
 
 def _screenshot(page, path, summary_id=None):
@@ -322,17 +353,20 @@ def _run_notebook(page, lab, path):
     page.wait_for_function(f"() => {CURRENT}.content.widgets.every("
                            "c => c.model.type !== 'code' || c.model.executionCount === null)",
                            timeout=30_000)
-    # The same command as Kernel > "Restart Kernel and Run All Cells..."; it asks first.
-    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:restart-run-all'); }")
-    page.locator(".jp-Dialog", has_text="Restart").locator(".jp-mod-accept").click(
-        timeout=30_000)
-    # That restart is over once the kernel runs the first cell; from then on, any restart
-    # (or a dead kernel) is a failure of the run.
-    page.wait_for_function(f"() => {CURRENT}.sessionContext.session.kernel.status === 'busy' ||"
-                           f" {CURRENT}.content.widgets.some(c => c.model.type === 'code' &&"
-                           " c.model.executionCount !== null)", timeout=60_000)
-    page.evaluate(WATCH)
     try:
+        # Kernel > "Restart Kernel and Run All Cells" in two steps, each waited for. Issued at
+        # once, the run-all can race the restart, and its execute requests are lost: the
+        # cells stay queued and the kernel idle (jupyterlab/jupyterlab#13361). That is how
+        # notebook 03 hung in CI, twice, with no cell run at all.
+        _until(page, lab, path, f"() => {CURRENT}.sessionContext.session.kernel.status === "
+               "'idle'", "the kernel did not become idle after the notebook opened")
+        page.evaluate(RESTART)
+        _until(page, lab, path, "() => window.__gradtut_restart.includes('restarting') && "
+               f"{CURRENT}.sessionContext.session.kernel.status === 'idle'",
+               "the kernel did not come back idle after its restart")
+        page.evaluate(WATCH)  # from here on, any restart or a dead kernel fails the run
+        # Not awaited (the command's promise settles only when the last cell has run).
+        page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
         _wait_for_run(page, lab, path)
     except BaseException:
         _screenshot(page, path)
