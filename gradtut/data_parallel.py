@@ -238,6 +238,8 @@ def _free_loopback_ports(count, rng=None):
     rng = rng or random.Random()
     low = _ephemeral_port_range()[0]
     first = max(1024, min(20000, low - 2000))
+    if first >= low:  # no room below the ephemeral range: let the kernel pick, as before
+        return _kernel_picked_ports(count)
     found, tries = [], 0
     while len(found) < count:
         tries += 1
@@ -251,6 +253,21 @@ def _free_loopback_ports(count, rng=None):
                for family, address in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::"))):
             found.append(port)
     return found
+
+
+def _kernel_picked_ports(count):
+    import socket
+
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def _bindable(family, address, port):
@@ -318,7 +335,8 @@ def launch_local_workers(target, num_workers, timeout_s, kwargs=None, ports=None
         notebook: the workers import it). It is called as ``function(**kwargs)`` and must return
         something JSON-serialisable. Or a path to a ``.py`` script, run as ``python script``.
       num_workers: positive int.
-      timeout_s: seconds for the whole run; then every worker is killed.
+      timeout_s: seconds for the whole run; then every worker is killed. (A retry after a
+        taken port, see ``ports``, starts the clock again: that attempt failed at start-up.)
       kwargs: JSON-serialisable keyword arguments for ``target``.
       ports: the ports to use (default: ports free on every interface, from below the
         ephemeral range; if one is taken before its worker listens, the launch is retried
@@ -423,8 +441,10 @@ def _run_workers(command, ports, timeout_s, env):
             time.sleep(0.1)
         results = []
         for index in range(num_workers):
-            stdout = open(os.path.join(logs, f"{index}.out"), encoding="utf-8").read()
-            stderr = open(os.path.join(logs, f"{index}.err"), encoding="utf-8").read()
+            with open(os.path.join(logs, f"{index}.out"), encoding="utf-8") as f:
+                stdout = f.read()
+            with open(os.path.join(logs, f"{index}.err"), encoding="utf-8") as f:
+                stderr = f.read()
             result = (json.loads(stdout.rsplit("@@RESULT@@", 1)[1])
                       if "@@RESULT@@" in stdout else None)
             results.append({"index": index, "returncode": 0, "result": result,

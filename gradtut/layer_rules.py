@@ -37,6 +37,12 @@ import keras
 import tensorflow as tf
 
 _RULES = {}  # exact Keras layer class -> LayerRule instance
+_VERSION = [0]  # bumped on every registration, so callers can drop functions traced before
+
+
+def registry_version():
+    """A number that changes whenever a rule is registered."""
+    return _VERSION[0]
 
 
 def register_rule(layer_class):
@@ -55,6 +61,7 @@ def register_rule(layer_class):
         if not (isinstance(rule_class, type) and issubclass(rule_class, LayerRule)):
             raise TypeError(f"@register_rule decorates a LayerRule subclass, got {rule_class!r}")
         _RULES[layer_class] = rule_class()
+        _VERSION[0] += 1
         return rule_class
 
     return register
@@ -482,16 +489,19 @@ class _AffineNormRule(LayerRule):
         return [v for v in self.params(layer) if v is not None]
 
     def forward(self, layer, inputs):
-        x_hat = self.normalise(layer, inputs)
+        # Like Keras: normalise and apply the affine step in at least float32 (the parameters
+        # stay float32 under mixed precision), and cast only the output.
+        dtype = tf.float64 if inputs.dtype == tf.float64 else tf.float32
+        x_hat = tf.cast(self.normalise(layer, tf.cast(inputs, dtype)), dtype)
         rank = inputs.shape.rank
         axes = self.axes(layer, rank)
         shape = [inputs.shape[i] if i in axes else 1 for i in range(rank)]
         scale, offset = self.params(layer)
         z = x_hat
         if scale is not None:
-            z = z * tf.reshape(tf.cast(scale, z.dtype), shape)
+            z = z * tf.reshape(tf.cast(scale, dtype), shape)
         if offset is not None:
-            z = z + tf.reshape(tf.cast(offset, z.dtype), shape)
+            z = z + tf.reshape(tf.cast(offset, dtype), shape)
         return tf.cast(z, layer.compute_dtype), x_hat, z
 
     def per_example(self, layer, a, g):
@@ -510,12 +520,16 @@ class _AffineNormRule(LayerRule):
 class LayerNormalizationRule(_AffineNormRule):
     name = "layer_normalization"
 
+    def unsupported(self, layer):
+        if getattr(layer, "rms_scaling", False):
+            return "rms_scaling=True (deprecated in Keras; use RMSNormalization)"
+        return super().unsupported(layer)
+
     def params(self, layer):
-        return layer.gamma, layer.beta
+        return getattr(layer, "gamma", None), getattr(layer, "beta", None)
 
     def normalise(self, layer, inputs):
-        return keras.ops.layer_normalization(inputs, None, None, layer.axis, layer.epsilon,
-                                             rms_scaling=layer.rms_scaling)
+        return keras.ops.layer_normalization(inputs, None, None, layer.axis, layer.epsilon)
 
 
 @register_rule(keras.layers.GroupNormalization)
@@ -523,7 +537,7 @@ class GroupNormalizationRule(_AffineNormRule):
     name = "group_normalization"
 
     def params(self, layer):
-        return layer.gamma, layer.beta
+        return getattr(layer, "gamma", None), getattr(layer, "beta", None)
 
     def normalise(self, layer, inputs):
         # Keras's own arithmetic, without the scale and offset (moments in at least float32).
@@ -545,6 +559,14 @@ if hasattr(keras.layers, "RMSNormalization"):
     @register_rule(keras.layers.RMSNormalization)
     class RMSNormalizationRule(_AffineNormRule):
         name = "rms_normalization"
+
+        def unsupported(self, layer):
+            # Keras multiplies by `scale` with trailing broadcasting, whatever the axis.
+            axis = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
+            if sorted(a if a < 0 else a - 10**6 for a in axis) != list(range(-len(axis), 0)):
+                return (f"axis={layer.axis}: the rule covers the trailing axes given as "
+                        "negative numbers (-1, -2, ...)")
+            return super().unsupported(layer)
 
         def params(self, layer):
             return layer.scale, None

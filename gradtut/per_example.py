@@ -100,13 +100,17 @@ def _check_call(model, loss_fn, x, y, training, method, methods):
         raise ValueError(f"x has {bx} examples but y has {by}; they must match")
     if bx == 0:
         raise ValueError("the batch is empty (0 examples); per-example gradients need at least one")
-    if method in ("vectorized", "jacobian") and _grouped_convolutions(model):
-        names = [layer.name for layer in _grouped_convolutions(model)]
+    grouped = _grouped_convolutions(model)
+    if method in ("outer", "ghost"):  # only those that fall back to vectorized_map
+        grouped = [layer for layer in grouped if layer_rules.rule_for(layer) is None]
+    if grouped and method != "loop" and method != "map_fn":
+        names = [layer.name for layer in grouped]
         raise ValueError(
-            f"layers {names} are grouped convolutions (groups > 1). TensorFlow's vectorised "
-            "filter gradient (used by tf.vectorized_map and tape.jacobian) ignores the groups "
-            "and returns wrong numbers. Use method='outer' (its convolution rule handles "
-            "groups), 'loop' or 'map_fn'.")
+            f"layers {names} are grouped convolutions (groups > 1) that would go through "
+            "TensorFlow's vectorised filter gradient (tf.vectorized_map, tape.jacobian), which "
+            "ignores the groups and returns wrong numbers. Use method='loop' or 'map_fn'; or, "
+            "for plain Conv layers (the rule covers groups), method='outer', ghost norms or "
+            "clipped_gradient.")
     if training:
         for layer in _layers(model):
             if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
@@ -162,10 +166,11 @@ def _densify(grads, variables):
 
 
 def _cached(model, key, build):
-    """One traced function per model and key. The key includes the trainable set, so freezing
-    or unfreezing a layer builds a new function instead of reusing a stale one."""
+    """One traced function per model and key. The key includes the trainable set and the rule
+    registry's version, so freezing or unfreezing a layer, or registering a rule, builds a new
+    function instead of reusing a stale one."""
     per_model = _cache.setdefault(model, {})
-    key = key + (tuple(id(v) for v in model.trainable_variables),)
+    key = key + (tuple(id(v) for v in model.trainable_variables), layer_rules.registry_version())
     if key not in per_model:
         per_model[key] = build()
     return per_model[key]
@@ -186,7 +191,8 @@ def _onednn_enabled():
 def broadcast_matmul_hazards(graph):
     """Batch matmuls in a traced graph that TensorFlow 2.21's oneDNN kernel gets wrong.
 
-    With oneDNN on (the x86 default), ``tf.linalg.matmul`` of a ``[8, 1, 4, 8]`` tensor with
+    With oneDNN on (TensorFlow's default on x86 CPUs with AVX512-VNNI, AVX-VNNI or AMX, as
+    here), ``tf.linalg.matmul`` of a ``[8, 1, 4, 8]`` tensor with
     an ``[8, 8]`` matrix returns garbage or corrupts the heap (tensorflow/tensorflow#117700;
     fixed upstream by PR #120199, after 2.21). ``tf.vectorized_map`` and ``tape.jacobian``
     create exactly such ops from a layer's ``[1, T, d] @ [d, n]`` (attention, Dense on
@@ -235,9 +241,10 @@ def _refuse_hazards():
         raise ValueError(
             "TensorFlow's oneDNN kernel computes this broadcast batch matmul wrongly, or "
             f"corrupts memory (tensorflow/tensorflow#117700): {hazards[:3]}. gradtut refuses "
-            "rather than return its numbers. Use method='outer' (per_example_plan shows whether "
-            "a rule covers every layer), 'loop' or 'map_fn'; or start Python with "
-            "TF_ENABLE_ONEDNN_OPTS=0.")
+            "rather than return its numbers. Use per_example_gradients with method='loop' or "
+            "'map_fn', or the one-pass methods (outer, ghost norms, clipped_gradient) once a "
+            "rule covers the layer named above (per_example_plan shows which layers fall back "
+            "to vectorized_map); or start Python with TF_ENABLE_ONEDNN_OPTS=0.")
 
 
 def _checked_function(python_fn, **kwargs):
@@ -625,7 +632,7 @@ def per_example_plan(model):
             rows.append((layer.name, cls, f"vectorized fallback ({why})",
                          "materialised (vectorized_map)"))
             continue
-        shape = next(iter(getattr(layer, "_build_shapes_dict", {}).values()), None)
+        shape = next(iter((getattr(layer, "_build_shapes_dict", None) or {}).values()), None)
         ghost = shape is not None and rule.ghost(layer, tuple(shape))
         rows.append((layer.name, cls, rule.name, "ghost" if ghost else "materialised"))
     return rows

@@ -175,15 +175,37 @@ def no_rule():
                             name="no_rule")
 
 
+def norm_variants():
+    """LayerNormalization over two axes without an offset, and without a scale; a
+    GroupNormalization on the channel axis of [B, C, T] (axis=1)."""
+    return keras.Sequential([keras.Input((4, 3)), L.Dense(3),
+                             L.LayerNormalization(axis=[1, 2], center=False),
+                             L.Permute((2, 1)), L.GroupNormalization(groups=3, axis=1),
+                             L.Permute((2, 1)), L.Dense(3), L.LayerNormalization(scale=False),
+                             L.Flatten(), L.Dense(CLASSES)], name="norm_variants")
+
+
+def einsum_variants():
+    """EinsumDense with a bias on some output axes only, and a grouped and a depthwise Conv1D."""
+    return keras.Sequential([
+        keras.Input((6, 4)),
+        L.EinsumDense("abc,cde->abde", output_shape=(6, 2, 3), bias_axes="d"),
+        L.Reshape((6, 6)),
+        L.Conv1D(4, 3, groups=2, padding="same"),
+        L.DepthwiseConv1D(2, depth_multiplier=2, strides=2),
+        L.Flatten(), L.Dense(CLASSES)], name="einsum_variants")
+
+
 MODELS = {f.__name__: f for f in (
     mlp, two_inputs, cnn, grouped_conv, depthwise, conv1d, conv3d, layer_norm, group_norm,
     text, masked_text, attention, transformer, shared_dense, discarded_call, frozen,
-    subclassed, no_rule)}
+    subclassed, no_rule, norm_variants, einsum_variants)}
 INPUT_SHAPES = {"mlp": (12,), "cnn": (8, 8, 1), "grouped_conv": (8, 8, 4),
                 "depthwise": (8, 8, 3), "conv1d": (10, 3), "conv3d": (4, 4, 4, 2),
                 "layer_norm": (12,), "group_norm": (6, 6, 2), "text": (6,), "masked_text": (6,),
                 "attention": (4, 8), "transformer": (4, 8), "shared_dense": (12,),
-                "discarded_call": (6,), "frozen": (12,), "subclassed": (12,), "no_rule": (12,)}
+                "discarded_call": (6,), "frozen": (12,), "subclassed": (12,), "no_rule": (12,),
+                "norm_variants": (4, 3), "einsum_variants": (6, 4)}
 
 
 def batch_for(name, batch_size, seed=0):

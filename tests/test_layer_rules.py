@@ -1,5 +1,6 @@
 """The rule registry: a reader's own rule, exact-class matching, and the TensorFlow bug the rules
 route around (reproduced in plain TensorFlow, in a child process because it can corrupt memory)."""
+import os
 import subprocess
 import sys
 import textwrap
@@ -140,20 +141,51 @@ def test_plain_tensorflow_reproduction_of_the_onednn_broadcast_matmul_bug():
     done = subprocess.run([sys.executable, "-c", REPRODUCTION], capture_output=True, text=True,
                           timeout=120, env={"TF_CPP_MIN_LOG_LEVEL": "2",
                                             "TF_CPU_ALLOCATOR_USE_BFC": "true",
-                                            "PATH": "/usr/bin:/bin"})
+                                            "PATH": "/usr/bin:/bin", **{
+                                                k: v for k, v in os.environ.items()
+                                                if k in ("TF_ENABLE_ONEDNN_OPTS",
+                                                         "TF_DISABLE_MKL")}})
     if "largest error" not in done.stdout and done.returncode >= 0:  # not the bug: say so
         raise RuntimeError(f"the reproduction did not run: {done.stderr[-500:]}")
     assert done.returncode == 0, done.stdout[-300:] + done.stderr[-300:]
 
 
 def test_the_hazard_check_flags_that_op_and_not_its_safe_neighbours():
-    from gradtut.per_example import broadcast_matmul_hazards
+    from gradtut.per_example import _hazard, broadcast_matmul_hazards
 
-    def graph(a_shape, b_shape):
+    def matmuls(a_shape, b_shape):
         fn = tf.function(lambda a, b: tf.linalg.matmul(a, b))
-        return fn.get_concrete_function(tf.TensorSpec(a_shape), tf.TensorSpec(b_shape)).graph
+        graph = fn.get_concrete_function(tf.TensorSpec(a_shape), tf.TensorSpec(b_shape)).graph
+        return graph, [op for op in graph.get_operations() if "MatMul" in op.type]
 
-    flagged = broadcast_matmul_hazards(graph([8, 1, 4, 8], [8, 8]))
-    assert len(flagged) == _onednn_enabled()
+    graph, ops = matmuls([8, 1, 4, 8], [8, 8])
+    assert [_hazard(op) for op in ops] == [True]
+    assert len(broadcast_matmul_hazards(graph)) == _onednn_enabled()  # only oneDNN is affected
     for safe in ([8, 4, 8], [8, 8]), ([8, 2, 4, 8], [8, 8]), ([8, 1, 4, 8], [8, 1, 8, 8]):
-        assert broadcast_matmul_hazards(graph(*safe)) == []
+        assert [_hazard(op) for op in matmuls(*safe)[1]] == [False], safe
+
+
+def test_registering_a_rule_rebuilds_functions_traced_before(scale_rule):
+    """A model traced with the fallback must use a rule registered afterwards (and the plan and
+    the numbers must agree), not a stale cached function."""
+    del layer_rules._RULES[Scale]
+    layer_rules._VERSION[0] += 1
+    model = scale_model(Scale)
+    rng = np.random.default_rng(10)
+    x, y = rng.normal(size=(4, 3, 5)).astype("float32"), rng.integers(0, 3, 4)
+    per_example_gradient_norms(model, LOSS, x, y)  # traced with Scale falling back
+
+    class CountingRule(scale_rule):
+        calls = 0
+
+        def per_example(self, layer, a, g):
+            type(self).calls += 1
+            return super().per_example(layer, a, g)
+
+    register_rule(Scale)(CountingRule)
+    norms = per_example_gradient_norms(model, LOSS, x, y)
+    assert CountingRule.calls >= 1 and per_example_plan(model)[1][2] == "scale"
+    expected = per_example_gradients(model, LOSS, x, y, "loop")
+    assert_gradients_close(norms, np.sqrt(sum(np.sum(np.square(g.numpy()),
+                                                     axis=tuple(range(1, g.shape.rank)))
+                                              for g in expected)), **TOL)

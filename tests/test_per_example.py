@@ -31,7 +31,9 @@ def fresh(name, batch_size):
 def refusal(name, method, batch_size):
     """The error a method must raise on a zoo model (TensorFlow would be wrong there), or None."""
     if name == "grouped_conv" and method in ("vectorized", "jacobian"):
-        return r"\['conv2d.*'conv2d.*\] are grouped convolutions.*method='outer'"
+        return r"\['conv2d.*'conv2d.*\] are grouped convolutions.*method='loop' or 'map_fn'"
+    if name == "einsum_variants" and method in ("vectorized", "jacobian"):
+        return r"\['conv1d.*'\] are grouped convolutions"
     if (name in ("attention", "transformer") and method == "vectorized" and batch_size > 1
             and _onednn_enabled()):  # [B, 1, T, d] @ [d, n] inside vectorized_map
         return r"oneDNN.*tensorflow/tensorflow#117700.*multi_head_attention.*TF_ENABLE_ONEDNN_OPTS=0"
@@ -232,7 +234,8 @@ def test_mixed_bfloat16_gives_float32_gradients_close_to_the_loop(name):
     policy = keras.DTypePolicy("mixed_bfloat16")
     keras.utils.set_random_seed(3)
     L = keras.layers
-    body = {"mlp_bf16": [keras.Input((12,)), L.Dense(8, activation="tanh", dtype=policy)],
+    body = {"mlp_bf16": [keras.Input((12,)), L.Dense(8, activation="tanh", dtype=policy),
+                         L.LayerNormalization(dtype=policy)],
             "no_rule_bf16": [keras.Input((12,)), L.Dense(8, dtype=policy), L.PReLU(dtype=policy)],
             "attention_bf16": None}[name]
     if body is None:
@@ -248,9 +251,9 @@ def test_mixed_bfloat16_gives_float32_gradients_close_to_the_loop(name):
     clipped = clipped_gradient(model, LOSS, x, y, l2_norm_clip=1e6)
     expected = loop(model, x, y)
     assert all(g.dtype == tf.float32 for g in got + clipped) and norms.dtype == tf.float32
-    scale = max(float(np.max(np.abs(g))) for g in expected)
-    assert_gradients_close(got, expected, rtol=0.05, atol=0.02 * scale)
-    assert_gradients_close(norms, norms_of(expected), rtol=0.05, atol=0.02 * scale)
+    for g, e in zip(got, expected):  # per variable: bfloat16 rounding, relative to its size
+        assert_gradients_close(g, e, rtol=0.05, atol=0.02 * float(np.max(np.abs(e))) + 1e-6)
+    assert_gradients_close(norms, norms_of(expected), rtol=0.05, atol=1e-4)
 
 
 # ------------------------------------------------------------------------------ the noise
