@@ -422,16 +422,13 @@ def per_example_gradients(model, loss_fn, x, y, method="vectorized", *, training
     return _IMPLEMENTATIONS[method](model, loss_fn, x, y, training, model.trainable_variables)
 
 
-_sq_norms = layer_rules.squared_norms
-
-
 def _norm_dtype(model):
     return tf.float64 if any(v.dtype == "float64" for v in model.trainable_variables) else tf.float32
 
 
 def _norms_from_grads(model, grads):
     dtype = _norm_dtype(model)
-    return tf.sqrt(tf.add_n([tf.cast(_sq_norms(g), dtype) for g in grads]))
+    return tf.sqrt(tf.add_n([tf.cast(layer_rules.squared_norms(g), dtype) for g in grads]))
 
 
 def _ghost_sq_norms_fn(model, loss_fn, training):
@@ -446,7 +443,7 @@ def _ghost_sq_norms_fn(model, loss_fn, training):
                  for layer, rule, pairs in layers]
         rest = _fallback_variables(model, layers)
         rest_grads = _vectorized_fn(model, loss_fn, training, rest)(x, y) if rest else []
-        parts += [tf.cast(_sq_norms(t), dtype) for t in rest_grads]
+        parts += [tf.cast(layer_rules.squared_norms(t), dtype) for t in rest_grads]
         return layers, rest, rest_grads, tf.add_n(parts)
 
     return ghost
