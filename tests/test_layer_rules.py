@@ -189,3 +189,33 @@ def test_registering_a_rule_rebuilds_functions_traced_before(scale_rule):
     assert_gradients_close(norms, np.sqrt(sum(np.sum(np.square(g.numpy()),
                                                      axis=tuple(range(1, g.shape.rank)))
                                               for g in expected)), **TOL)
+
+
+def _numpy_patches(x, k, stride, dilation, padding):
+    """Explicit 2-D patch extraction, one output position at a time: the reference."""
+    b, h, w, c = x.shape
+    span = (k - 1) * dilation + 1
+    if padding == "same":
+        out_h, out_w = -(-h // stride), -(-w // stride)
+        pad_h = max((out_h - 1) * stride + span - h, 0)
+        pad_w = max((out_w - 1) * stride + span - w, 0)
+        x = np.pad(x, [(0, 0), (pad_h // 2, pad_h - pad_h // 2), (pad_w // 2, pad_w - pad_w // 2),
+                       (0, 0)])
+    else:
+        out_h, out_w = (h - span) // stride + 1, (w - span) // stride + 1
+    out = np.zeros((b, out_h, out_w, k * k * c), x.dtype)
+    for i in range(out_h):
+        for j in range(out_w):
+            window = x[:, i * stride:i * stride + span:dilation, j * stride:j * stride + span:dilation]
+            out[:, i, j] = window.reshape(b, -1)
+    return out
+
+
+@pytest.mark.parametrize("channels", [1, 3, 8])  # 9 * 8 = 72 > 64: the extract_patches path
+@pytest.mark.parametrize("k,stride,dilation,padding",
+                         [(3, 1, 1, "same"), (3, 2, 1, "valid"), (2, 1, 2, "same"), (3, 2, 1, "same")])
+def test_both_patch_paths_match_explicit_patch_extraction(channels, k, stride, dilation, padding):
+    x = np.random.default_rng().normal(size=(2, 7, 6, channels)).astype("float32")
+    got = layer_rules._patches(tf.constant(x), (k, k), (stride, stride), padding,
+                               (dilation, dilation)).numpy()
+    np.testing.assert_allclose(got, _numpy_patches(x, k, stride, dilation, padding), rtol=0, atol=1e-6)
