@@ -74,6 +74,42 @@ def test_timing_cells_and_only_they_ignore_output(path):
     assert sum(IGNORE in source(c) for c in cells) <= 0.4 * len(cells)
 
 
+# What a reader would try to open: a name with a file extension, a relative path (./, ../),
+# or a path under a directory such as notebooks/ or seeds/. URLs are removed first; prose like
+# "1/B" or "inf/nan" is not a path.
+PATH_LIKE = re.compile(r"(?<![\w/.:#-])((?:\.\.?/)*\w[\w.-]*(?:/[\w.-]+)*/?)(?:#[\w.-]*)?(?![\w/#])")
+URL = re.compile(r"https?://\S+")
+EXTENSION = re.compile(r"\.(ipynb|py|md|txt|toml|cfg|json|yml|yaml|csv|sh)$")
+DIRECTORIES = re.compile(r"^(\.\.?/|(notebooks|gradtut|tests|binder|shared|seeds|docs|data)/)")
+
+
+def mentioned_paths(text):
+    candidates = (m.group(1).rstrip(".") for m in PATH_LIKE.finditer(URL.sub(" ", text)))
+    return [c for c in candidates if EXTENSION.search(c) or DIRECTORIES.match(c)]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_file_a_notebook_mentions_is_in_the_repository(path):
+    """Readers have only this repository: a notebook may not point at notes kept elsewhere."""
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    missing = set()
+    for cell in nb["cells"]:
+        text = source(cell)
+        assert not re.search(r"FIELD_NOTES|\bseeds/|\.\./shared", text), text[:200]
+        for name in mentioned_paths(text):
+            if not any((base / name.rstrip("/")).exists() for base in (ROOT, path.parent)):
+                missing.add(name)
+    assert not missing, f"{path.name} mentions files that are not in the repository: {sorted(missing)}"
+
+
+def test_the_path_check_finds_paths_and_skips_urls():
+    text = ("see FIELD_NOTES.md, notebooks/02_x.ipynb and [05](05_y.ipynb), not "
+            "https://github.com/a/b/issues/1; e.g. gradtut/per_example.py, ../shared/seeds/003, "
+            "[the README](../README.md#set-up). Not 1/B, inf/nan or tensorflow/tensorflow#1.")
+    assert mentioned_paths(text) == ["FIELD_NOTES.md", "notebooks/02_x.ipynb", "05_y.ipynb",
+                                     "gradtut/per_example.py", "../shared/seeds/003", "../README.md"]
+
+
 def test_binder_installs_what_requirements_txt_installs():
     def requirements(path):
         lines = (ROOT / path).read_text().splitlines()
