@@ -7,7 +7,7 @@ Importing the package does not import TensorFlow, so the first notebook cell can
     gradtut.setup(seed=0)
     from gradtut.per_example import per_example_gradients
 """
-from gradtut.session import RestartKernelError, setup
+from gradtut.session import RestartKernelError, captured_stderr, setup
 
-__all__ = ["setup", "RestartKernelError"]
+__all__ = ["setup", "captured_stderr", "RestartKernelError"]
 __version__ = "0.1.0"

@@ -19,30 +19,64 @@ class RestartKernelError(RuntimeError):
     """TensorFlow already started with settings that can only change in a new process."""
 
 
+class CapturedText:
+    """What :func:`captured_stderr` caught; ``text`` is filled in when the block ends."""
+
+    text = ""
+
+
+@contextlib.contextmanager
+def captured_stderr():
+    """Catch what is written to file descriptor 2 inside the block (where C++ code logs; a
+    notebook's Python ``sys.stderr`` is a different channel).
+
+    TensorFlow's C++ runtime logs straight to fd 2, and some of its lines depend on the CPU
+    ("oneDNN supports DT_HALF only on platforms with AVX-512 ..."). In a notebook they land in
+    the cell's output, which nbval compares, so a cell that can trigger them catches them and
+    prints them where the output may vary. Python exceptions still propagate normally.
+
+    Example:
+      >>> with captured_stderr() as said:  # doctest: +SKIP
+      ...     train(policy="mixed_float16")
+      >>> print(said.text)  # doctest: +SKIP
+    """
+    import sys
+    import tempfile
+
+    caught = CapturedText()
+    sys.stderr.flush()
+    try:
+        fd = os.dup(2)
+    except OSError:  # no stderr at all: nothing to catch
+        yield caught
+        return
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        try:
+            os.dup2(sink.fileno(), 2)
+            try:
+                yield caught
+            finally:
+                sys.stderr.flush()
+                os.dup2(fd, 2)
+        finally:
+            os.close(fd)
+            sink.seek(0)
+            caught.text = sink.read().decode("utf-8", "replace")
+
+
 @contextlib.contextmanager
 def _quiet_stderr_fd():
-    """Silence file descriptor 2 (not just ``sys.stderr``) for the duration of the block.
+    """Silence file descriptor 2 for the duration of the block (:func:`captured_stderr`,
+    discarded).
 
     TensorFlow's C++ side logs "oneDNN custom operations are on", "Could not find cuda drivers"
     and "failed call to cuInit" through absl *before* absl's logging is initialised, and those
     lines ignore ``TF_CPP_MIN_LOG_LEVEL`` (abseil/abseil-cpp#1718, #1957). In a notebook they
     land in the cell's stderr, which nbval compares, so the import and device start-up run with
-    fd 2 pointed at /dev/null. Python exceptions still propagate normally.
+    fd 2 caught and dropped. Python exceptions still propagate normally.
     """
-    try:
-        fd = os.dup(2)
-    except OSError:  # no stderr at all: nothing to silence
+    with captured_stderr():
         yield
-        return
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-            try:
-                yield
-            finally:
-                os.dup2(fd, 2)
-    finally:
-        os.close(fd)
 
 
 def _runtime_started():

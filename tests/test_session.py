@@ -100,3 +100,19 @@ def test_intra_op_threads_is_applied_and_cannot_change_later():
     assert proc.stdout.strip() == "1"
     with pytest.raises(gradtut.RestartKernelError, match="intra_op_threads"):
         gradtut.setup(intra_op_threads=1, **AS_CONFTEST)  # this process started with default
+
+
+def test_captured_stderr_catches_the_file_descriptor_and_restores_it(capfd):
+    with gradtut.captured_stderr() as said:
+        os.write(2, b"from C++\n")
+    os.write(2, b"after\n")
+    assert said.text == "from C++\n"
+    assert capfd.readouterr().err == "after\n"
+
+
+def test_captured_stderr_keeps_what_it_caught_when_the_block_raises():
+    with pytest.raises(ValueError, match="boom"):
+        with gradtut.captured_stderr() as said:
+            os.write(2, b"before the error\n")
+            raise ValueError("boom")
+    assert said.text == "before the error\n"
