@@ -454,3 +454,24 @@ def large_intermediate_ms(size=2048, repeats=9):
         step(x).numpy()
         times.append(time.perf_counter() - start)
     return {"median_ms": 1e3 * float(np.median(times)), "allocator_stats": _allocator_has_stats()}
+
+
+def allocator_workloads(size=2048, batch_size=256, repeats=7):
+    """Both allocator workloads of notebook 05, section 9, timed in this process: the compiled
+    step of :func:`large_intermediate_ms`, and per-example gradients materialised with
+    ``method="outer"`` on the 784-256-10 MLP of ``gradtut.bench_per_example`` (a fresh
+    ``[batch_size, 203,530]`` float32 result every call), as a ratio to that MLP's batch
+    gradient measured in the same rounds. Meant for ``run_in_subprocess`` with
+    ``TF_CPU_ALLOCATOR_USE_BFC`` and ``TF_ENABLE_ONEDNN_OPTS`` set either way.
+
+    Returns:
+      dict with ``"large_intermediate_ms"``, ``"outer_ms"``, ``"outer_ratio"`` and
+      ``"allocator_stats"``.
+    """
+    from gradtut.bench_per_example import benchmark_per_example  # pylint: disable=import-outside-toplevel
+
+    large = large_intermediate_ms(size, repeats)
+    rows = benchmark_per_example([batch_size], ["outer"], repeats=repeats)
+    outer = next(r for r in rows if r["method"] == "outer")
+    return {"large_intermediate_ms": large["median_ms"], "outer_ms": outer["median_ms"],
+            "outer_ratio": outer["ratio"], "allocator_stats": large["allocator_stats"]}

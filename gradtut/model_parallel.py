@@ -862,7 +862,8 @@ def model_memory_report(model, optimizer, batch_size, num_devices, strategy):
     - gradients: one value per trainable weight;
     - optimizer_state: the optimizer's slots (Adam keeps 2 per trainable weight);
     - activations: every layer's output for the batch (what backprop keeps), in the compute
-      dtype. Backprop's temporaries come on top, so a measured peak is somewhat higher.
+      dtype. It is an estimate: backprop frees activations as it goes and adds temporaries, so
+      a measured peak can be lower or higher (notebook 04 compares the two).
 
     Per strategy:
 

@@ -276,3 +276,10 @@ def test_large_intermediate_ms_reports_the_allocator():
     result = eff.large_intermediate_ms(size=64, repeats=2)
     assert result["median_ms"] > 0
     assert result["allocator_stats"] is True  # this test process runs with BFC (conftest)
+
+
+def test_allocator_workloads_time_both_workloads_against_their_references():
+    result = eff.allocator_workloads(size=64, batch_size=8, repeats=2)
+    assert set(result) == {"large_intermediate_ms", "outer_ms", "outer_ratio", "allocator_stats"}
+    assert result["large_intermediate_ms"] > 0 and result["outer_ms"] > 0
+    assert result["outer_ratio"] > 0 and result["allocator_stats"] is True  # BFC (conftest)
