@@ -85,6 +85,21 @@ def _check_call(model, loss_fn, x, y, training, method, methods):
     """Validate arguments and return ``(x, y, batch_size)`` as tensors."""
     if method not in methods:
         raise ValueError(f"unknown method {method!r}; choose one of {methods}")
+    x, y = _to_tensors(x), _to_tensors(y)
+    bx, by = _batch_size(x, "x"), _batch_size(y, "y")
+    if bx != by:
+        raise ValueError(f"x has {bx} examples but y has {by}; they must match")
+    if bx == 0:
+        raise ValueError("the batch is empty (0 examples); per-example gradients need at least one")
+    check_model(model, loss_fn, training, method)
+    return x, y, bx
+
+
+def check_model(model, loss_fn, training, method):
+    """Raise ValueError, naming the fix, for a loss or model that ``method`` would get wrong:
+    a loss that reduces over the batch, grouped convolutions under pfor, BatchNormalization or
+    random layers in training mode where they break per-example gradients. Shape checks
+    need the batch and live in the callers."""
     if not model.trainable_variables:
         raise ValueError("the model has no trainable variables (is it built? call it once on a batch)")
     reduction = getattr(loss_fn, "reduction", None)
@@ -94,12 +109,6 @@ def _check_call(model, loss_fn, x, y, training, method, methods):
             "so per-example gradients would be 1/B of the right value or undefined. Pass "
             f"{type(loss_fn).__name__}(reduction=None), which returns one loss per example."
         )
-    x, y = _to_tensors(x), _to_tensors(y)
-    bx, by = _batch_size(x, "x"), _batch_size(y, "y")
-    if bx != by:
-        raise ValueError(f"x has {bx} examples but y has {by}; they must match")
-    if bx == 0:
-        raise ValueError("the batch is empty (0 examples); per-example gradients need at least one")
     grouped = _grouped_convolutions(model)
     if method in ("outer", "ghost"):  # only those that fall back to vectorized_map
         grouped = [layer for layer in grouped if layer_rules.rule_for(layer) is None]
@@ -132,7 +141,6 @@ def _check_call(model, loss_fn, x, y, training, method, methods):
                 "gets the same dropout pattern. Use method='jacobian', 'loop' or 'map_fn', or "
                 "training=False."
             )
-    return x, y, bx
 
 
 def _per_example_losses(model, loss_fn, x, y, training):
@@ -484,6 +492,31 @@ def per_example_gradient_norms(model, loss_fn, x, y, method="ghost", *, training
     return _cached(model, ("ghost", loss_fn, training), build)(x, y)
 
 
+def clipped_sum_fn(model, loss_fn, training=False):
+    """``f(x, y, clip) -> sum_b g_b * min(1, clip / ||g_b||)``: the sum of per-example gradients
+    clipped to norm ``clip``, one tensor per trainable variable (in its dtype), for use inside a
+    ``tf.function``. Built from ghost norms and one reweighted sum per layer, so layers with a
+    ghost rule never materialise per-example gradients. An empty batch gives zeros.
+
+    Arguments are not checked here: :func:`clipped_gradient` and ``gradtut.privacy`` check them.
+    """
+    ghost = _ghost_sq_norms_fn(model, loss_fn, training)
+
+    def clipped_sum(x, y, clip):
+        layers, rest, rest_grads, sq = ghost(x, y)
+        norms = tf.sqrt(sq)
+        weights = tf.minimum(tf.ones_like(norms),
+                             tf.cast(clip, norms.dtype) / tf.maximum(norms, 1e-12))
+        found = {}
+        for layer, rule, pairs in layers:
+            found.update(layer_rules.weighted_sum_of(layer, rule, pairs, weights))
+        for v, t in zip(rest, rest_grads):
+            found[id(v)] = tf.tensordot(tf.cast(weights, t.dtype), t, axes=1)
+        return [tf.cast(found[id(v)], v.dtype) for v in model.trainable_variables]
+
+    return clipped_sum
+
+
 def clipped_gradient(model, loss_fn, x, y, l2_norm_clip, noise_multiplier=0.0, seed=None, *,
                      training=False):
     """The DP-SGD gradient: mean of per-example gradients clipped to ``l2_norm_clip``, plus noise.
@@ -520,19 +553,11 @@ def clipped_gradient(model, loss_fn, x, y, l2_norm_clip, noise_multiplier=0.0, s
     x, y, batch = _check_call(model, loss_fn, x, y, training, "ghost", NORM_METHODS)
 
     def build():
-        ghost = _ghost_sq_norms_fn(model, loss_fn, training)
+        clipped_sum = clipped_sum_fn(model, loss_fn, training)
 
         def clipped(x, y, clip, noise_std, seed):
-            layers, rest, rest_grads, sq = ghost(x, y)
-            norms = tf.sqrt(sq)
-            weights = (tf.minimum(tf.ones_like(norms), tf.cast(clip, norms.dtype) /
-                                  tf.maximum(norms, 1e-12)) / tf.cast(tf.size(norms), norms.dtype))
-            found = {}
-            for layer, rule, pairs in layers:
-                found.update(layer_rules.weighted_sum_of(layer, rule, pairs, weights))
-            for v, t in zip(rest, rest_grads):
-                found[id(v)] = tf.tensordot(tf.cast(weights, t.dtype), t, axes=1)
-            grads = [tf.cast(found[id(v)], v.dtype) for v in model.trainable_variables]
+            grads = [g / tf.cast(tf.shape(tf.nest.flatten(x)[0])[0], g.dtype)
+                     for g in clipped_sum(x, y, clip)]
             if noise_std is None:
                 return grads
             if seed is None:  # traced once per case: a Python None is part of the signature

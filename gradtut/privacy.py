@@ -1,0 +1,320 @@
+"""DP-SGD a practitioner can ship: privacy accounting, Poisson batches, a training step and a
+Keras model whose ``fit`` trains privately (notebook 01, section 9).
+
+The guarantee is that of Abadi et al. (2016): each step samples every example independently
+with probability ``sample_rate`` (Poisson sampling), clips each example's gradient to norm
+``l2_norm_clip``, adds Gaussian noise of standard deviation ``noise_multiplier * l2_norm_clip``
+to the sum, once, and divides by the *expected* batch size. :func:`epsilon` turns
+``(noise_multiplier, sample_rate, steps, delta)`` into the epsilon of that guarantee, with
+Google's ``dp_accounting`` library (the accountant TensorFlow Privacy and jax_privacy use).
+
+Clipping uses :func:`gradtut.per_example.clipped_sum_fn`: ghost norms and one reweighted sum
+per layer, so layers with a rule never materialise per-example gradients.
+
+Example:
+  >>> sigma = noise_multiplier_for_epsilon(3.0, sample_rate=64 / 1500, steps=500,
+  ...                                      delta=1e-5)  # doctest: +SKIP
+  >>> dp = DPModel(model, l2_norm_clip=1.0, noise_multiplier=sigma,
+  ...              expected_batch_size=64)  # doctest: +SKIP
+  >>> dp.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(
+  ...     from_logits=True, reduction=None))  # doctest: +SKIP
+"""
+import math
+
+import dp_accounting
+import keras
+import numpy as np
+import tensorflow as tf
+from dp_accounting import pld, rdp
+
+from gradtut import per_example
+
+ACCOUNTANTS = ("rdp", "pld")
+_MAX_NOISE = 1e3  # the search for a noise multiplier stops here
+
+
+# ------------------------------------------------------------------------------- accounting
+
+
+def _check_accounting(sample_rate, steps, delta, accountant):
+    if not 0 < delta < 1:
+        raise ValueError(f"delta must be in (0, 1), got {delta!r} (a common choice: below 1/N)")
+    if not 0 < sample_rate <= 1:
+        raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r} (expected batch "
+                         "size / number of examples)")
+    if int(steps) != steps or steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"unknown accountant {accountant!r}; choose one of {ACCOUNTANTS}")
+
+
+def epsilon(noise_multiplier, sample_rate, steps, delta, accountant="rdp"):
+    """Epsilon of DP-SGD with Poisson sampling: ``steps`` compositions of the Gaussian
+    mechanism with ``noise_multiplier``, each on a Poisson sample of rate ``sample_rate``.
+
+    Args:
+      noise_multiplier: sigma >= 0 (noise std over the clip norm); 0 gives ``inf``.
+      sample_rate: q in (0, 1], the probability that a step includes a given example.
+      steps: number of steps, a positive int.
+      delta: in (0, 1).
+      accountant: ``"rdp"`` (Renyi DP, Mironov 2017, with the tighter conversion to
+        (epsilon, delta) of Canonne et al. 2020) or ``"pld"`` (privacy loss distributions,
+        tighter still).
+
+    Returns:
+      float epsilon, for the add-or-remove-one neighbouring relation.
+
+    Raises:
+      ValueError: an argument outside its range.
+
+    Example:
+      >>> round(epsilon(1.1, 256 / 60000, 14062, 1e-5), 2)  # doctest: +SKIP
+      2.6
+    """
+    _check_accounting(sample_rate, steps, delta, accountant)
+    if not noise_multiplier >= 0:
+        raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier!r}")
+    if noise_multiplier == 0:
+        return math.inf
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(
+            sample_rate, dp_accounting.GaussianDpEvent(noise_multiplier)), int(steps))
+    account = rdp.RdpAccountant() if accountant == "rdp" else pld.PLDAccountant()
+    account.compose(event)
+    return float(account.get_epsilon(delta))
+
+
+def noise_multiplier_for_epsilon(target_epsilon, sample_rate, steps, delta, accountant="rdp"):
+    """The smallest noise multiplier whose :func:`epsilon` is at most ``target_epsilon``, found
+    by bisection to 0.1% (the result always meets the target).
+
+    Raises:
+      ValueError: a non-positive target, an argument outside its range, or a target that no
+        noise multiplier up to 1000 reaches (the message gives the best reachable epsilon;
+        with RDP, small targets are limited by delta and the largest Renyi order).
+    """
+    _check_accounting(sample_rate, steps, delta, accountant)
+    if not target_epsilon > 0:
+        raise ValueError(f"target_epsilon must be positive, got {target_epsilon!r}")
+
+    def eps(sigma):
+        return epsilon(sigma, sample_rate, steps, delta, accountant)
+
+    high = 1.0
+    while eps(high) > target_epsilon:
+        if high >= _MAX_NOISE:
+            raise ValueError(
+                f"epsilon {target_epsilon} is out of reach: even noise_multiplier "
+                f"{_MAX_NOISE:g} gives epsilon {eps(_MAX_NOISE):.4g} with these settings. Use "
+                "fewer steps, a smaller sample_rate or a larger delta, or accept a larger "
+                "epsilon.")
+        high = min(2 * high, _MAX_NOISE)
+    low = 0.0
+    while high - low > 1e-3 * high:
+        mid = (low + high) / 2
+        low, high = (low, mid) if eps(mid) <= target_epsilon else (mid, high)
+    return high
+
+
+# ------------------------------------------------------------------------------- sampling
+
+
+def poisson_batches(x, y, sample_rate, seed):
+    """Batches in which each example is included independently with probability
+    ``sample_rate``: the sampling the accountant assumes. Yields ``round(1 / sample_rate)``
+    batches (one pass over the data in expectation) of ``(x[mask], y[mask])``; sizes vary,
+    and a batch can be empty.
+
+    Why not shuffled fixed-size batches: with them an example is in exactly one batch per
+    epoch, never in two and never left out, so the steps are not independent samples and the
+    Poisson-subsampling amplification that :func:`epsilon` counts on does not apply as
+    computed. Their guarantee needs a different (and weaker, for the same noise) analysis.
+
+    Args:
+      x, y: arrays with the same first dimension N.
+      sample_rate: q in (0, 1].
+      seed: int, for a repeatable sequence of batches.
+
+    Example:
+      >>> for xb, yb in poisson_batches(x, y, 64 / len(x), seed=0):  # doctest: +SKIP
+      ...     step(xb, yb)
+    """
+    if not 0 < sample_rate <= 1:
+        raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+    x, y = np.asarray(x), np.asarray(y)
+    if len(x) != len(y):
+        raise ValueError(f"x has {len(x)} examples but y has {len(y)}; they must match")
+    rng = np.random.default_rng(seed)
+    for _ in range(max(1, round(1 / sample_rate))):
+        mask = rng.random(len(x)) < sample_rate
+        yield x[mask], y[mask]
+
+
+# ------------------------------------------------------------------------------ training
+
+
+def _check_training(model, loss_fn, l2_norm_clip, noise_multiplier, expected_batch_size):
+    if not l2_norm_clip > 0:
+        raise ValueError(f"l2_norm_clip must be positive, got {l2_norm_clip!r}")
+    if not noise_multiplier >= 0:
+        raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier!r}")
+    if int(expected_batch_size) != expected_batch_size or expected_batch_size < 1:
+        raise ValueError(f"expected_batch_size must be a positive integer (sample rate x number "
+                         f"of examples, rounded), got {expected_batch_size!r}")
+    if loss_fn is None:
+        raise ValueError("compile(loss=...) needs a per-example loss, e.g. keras.losses."
+                         "SparseCategoricalCrossentropy(from_logits=True, reduction=None)")
+    # the engine's own checks: a reducing loss, BatchNormalization in training, grouped
+    # convolutions and random layers where the one-pass methods would get them wrong
+    per_example.check_model(model, loss_fn, training=True, method="ghost")
+
+
+def _dp_gradients_fn(model, loss_fn, l2_norm_clip, noise_multiplier, expected_batch_size, seed):
+    """``f(x, y, step) -> gradients`` for the calling replica (or the only one): the
+    clipped sum plus this replica's share of the noise, over ``expected_batch_size``. The noise
+    is drawn from ``(seed, step)``, identically on every replica, and each replica adds
+    ``1/R`` of it; the optimizer's sum over replicas then holds the noise exactly once."""
+    clipped_sum = per_example.clipped_sum_fn(model, loss_fn, training=True)
+    std = noise_multiplier * l2_norm_clip
+
+    def gradients(x, y, step):
+        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        # An empty batch (Poisson sampling makes them) contributes zeros. It must not reach
+        # the model: TensorFlow's convolutions reject a batch of 0 with a shape error.
+        sums = tf.cond(tf.shape(tf.nest.flatten(x)[0])[0] > 0,
+                       lambda: clipped_sum(x, y, l2_norm_clip),
+                       lambda: [tf.zeros_like(v) for v in model.trainable_variables])
+        grads = []
+        for i, s in enumerate(sums):
+            if std:
+                seed_i = tf.random.experimental.stateless_fold_in(tf.stack([seed, step]), i)
+                s = s + tf.random.stateless_normal(tf.shape(s), seed=seed_i,
+                                                   stddev=std / replicas, dtype=s.dtype)
+            grads.append(s / tf.cast(expected_batch_size, s.dtype))
+        per_example._refuse_hazards()  # pylint: disable=protected-access
+        return grads
+
+    return gradients
+
+
+def make_dp_train_step(model, loss_fn, optimizer, l2_norm_clip, noise_multiplier,
+                       expected_batch_size, *, strategy=None, seed=None):
+    """A DP-SGD step for custom loops: ``step(x, y) -> number of examples in the batch``.
+
+    Each example's gradient is clipped to ``l2_norm_clip``; the clipped gradients are summed;
+    Gaussian noise with std ``noise_multiplier * l2_norm_clip`` is added **once** to the sum;
+    the result is divided by ``expected_batch_size`` (the Poisson-sampling convention: the
+    realised batch size would leak how many examples were sampled) and applied with
+    ``optimizer``. Batches from :func:`poisson_batches` vary in size; an empty batch applies
+    noise only.
+
+    With ``strategy`` (e.g. ``MirroredStrategy``; create the model and optimizer under its
+    scope and pass batches from ``strategy.experimental_distribute_dataset``), each replica
+    clips its own examples and the noise is still added once to the all-reduced sum, not once
+    per replica: every replica draws the same noise from ``(seed, step)`` and adds ``1/R`` of
+    it before the optimizer sums the replicas' gradients. (Independent noise per replica, or
+    the full noise on each, would give sqrt(R) or R times the intended noise in the mean.)
+
+    Args:
+      model: a built Keras model.
+      loss_fn: per-example loss (a Keras loss with ``reduction=None``).
+      optimizer: a Keras optimizer.
+      l2_norm_clip, noise_multiplier: C > 0 and sigma >= 0.
+      expected_batch_size: sample rate x number of examples (a positive int).
+      seed: int for repeatable noise; None draws one.
+
+    Raises:
+      ValueError: bad arguments; BatchNormalization in the model; a reducing loss; and as
+        :func:`gradtut.per_example.clipped_gradient` for layers the engine refuses.
+    """
+    _check_training(model, loss_fn, l2_norm_clip, noise_multiplier, expected_batch_size)
+    strategy = strategy or tf.distribute.get_strategy()
+    seed = int(np.random.default_rng().integers(2**31)) if seed is None else int(seed)
+    with strategy.scope():
+        counter = tf.Variable(0, dtype=tf.int64, trainable=False,
+                              aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+    gradients = _dp_gradients_fn(model, loss_fn, l2_norm_clip, noise_multiplier,
+                                 expected_batch_size, tf.constant(seed, tf.int64))
+
+    def replica_step(x, y, step):
+        optimizer.apply(gradients(x, y, step), model.trainable_variables)
+        return tf.shape(tf.nest.flatten(x)[0])[0]
+
+    @tf.function(reduce_retracing=True)
+    def step(x, y):
+        counter.assign_add(1)
+        batches = strategy.run(replica_step, args=(x, y, counter.read_value()))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, batches, axis=None)
+
+    return step
+
+
+class DPModel(keras.Model):
+    """A ``keras.Model`` whose ``fit`` trains ``model`` with DP-SGD.
+
+    ``compile(optimizer, loss=...)`` with a per-example loss (``reduction=None``), then ``fit``,
+    callbacks and ``evaluate`` as usual. Each ``train_step`` clips, sums, adds the noise once
+    and divides by ``expected_batch_size``, as :func:`make_dp_train_step`; under
+    ``MirroredStrategy.scope()`` the noise is still added once. Feed it Poisson batches
+    (:func:`poisson_batches`, e.g. through ``tf.data.Dataset.from_generator``) for the
+    guarantee that :func:`epsilon` computes.
+
+    Example:
+      >>> dp = DPModel(model, l2_norm_clip=1.0, noise_multiplier=1.1,
+      ...              expected_batch_size=64, seed=0)  # doctest: +SKIP
+      >>> dp.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.
+      ...            SparseCategoricalCrossentropy(from_logits=True, reduction=None))  # doctest: +SKIP
+      >>> dp.fit(dataset, epochs=3)  # doctest: +SKIP
+    """
+
+    def __init__(self, model, l2_norm_clip, noise_multiplier, expected_batch_size, seed=None,
+                 **kwargs):
+        super().__init__(**kwargs)
+        if not l2_norm_clip > 0:
+            raise ValueError(f"l2_norm_clip must be positive, got {l2_norm_clip!r}")
+        self.model = model
+        self.l2_norm_clip = float(l2_norm_clip)
+        self.noise_multiplier = float(noise_multiplier)
+        self.expected_batch_size = expected_batch_size
+        self.seed = int(np.random.default_rng().integers(2**31)) if seed is None else int(seed)
+        self._dp_gradients = None
+        self._dp_steps = None
+
+    def call(self, inputs, training=False):
+        return self.model(inputs, training=training)
+
+    def compile(self, optimizer="rmsprop", loss=None, **kwargs):  # pylint: disable=arguments-differ
+        _check_training(self.model, loss, self.l2_norm_clip, self.noise_multiplier,
+                        self.expected_batch_size)
+        super().compile(optimizer=optimizer, loss=loss, **kwargs)
+        self._per_example_loss = loss
+        self._dp_steps = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        self._dp_gradients = _dp_gradients_fn(
+            self.model, loss, self.l2_norm_clip, self.noise_multiplier,
+            self.expected_batch_size, tf.constant(self.seed, tf.int64))
+
+    def train_step(self, data):
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+        self._dp_steps.assign_add(1)
+        grads = self._dp_gradients(x, y, self._dp_steps.read_value())
+        self.optimizer.apply(grads, self.model.trainable_variables)
+        y_pred = self._predict_or_empty(x)
+        losses = self._per_example_loss(y, y_pred)
+        mean_loss = tf.math.divide_no_nan(tf.reduce_sum(losses),
+                                          tf.cast(tf.size(losses), losses.dtype))
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(mean_loss)
+        return self.compute_metrics(x, y, y_pred, None)
+
+    def _predict_or_empty(self, x):
+        """The model's output, or an empty one for an empty batch (which a convolution would
+        reject), so that metrics see zero examples."""
+        try:
+            shape = self.model.output_shape
+        except (AttributeError, ValueError):  # a subclassed model: no static output shape
+            return self.model(x, training=False)
+        batch = tf.shape(tf.nest.flatten(x)[0])[0]
+        return tf.cond(batch > 0, lambda: self.model(x, training=False),
+                       lambda: tf.zeros([0, *shape[1:]], self.model.compute_dtype))

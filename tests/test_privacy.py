@@ -1,0 +1,254 @@
+"""DP-SGD: accounting against dp_accounting and published figures, steps and DPModel against a
+loop of tapes that clips each example by hand, the noise's scale on one device and on
+replicas, and Poisson sampling."""
+import dp_accounting
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from dp_accounting import pld, rdp
+
+from gradtut.checks import assert_gradients_close
+from gradtut.privacy import (DPModel, epsilon, make_dp_train_step, noise_multiplier_for_epsilon,
+                             poisson_batches)
+from model_zoo import LOSS, MODELS, batch_for
+
+TOL = {"rtol": 1e-4, "atol": 1e-6}
+# TF Privacy's and Opacus's MNIST example: sigma 1.1, batch 256 of 60,000, 60 epochs, delta 1e-5
+MNIST = {"noise_multiplier": 1.1, "sample_rate": 256 / 60000, "steps": 60 * 60000 // 256,
+         "delta": 1e-5}
+
+
+def event(noise_multiplier, sample_rate, steps):
+    return dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+        sample_rate, dp_accounting.GaussianDpEvent(noise_multiplier)), steps)
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+@pytest.mark.parametrize("sigma,q,steps", [(1.1, 256 / 60000, 14062), (0.8, 0.01, 500),
+                                           (2.0, 1.0, 3)])
+def test_epsilon_is_dp_accountings(accountant, sigma, q, steps):
+    got = epsilon(sigma, q, steps, 1e-5, accountant)
+    account = rdp.RdpAccountant() if accountant == "rdp" else pld.PLDAccountant()
+    account.compose(event(sigma, q, steps))
+    assert got == pytest.approx(account.get_epsilon(1e-5), rel=1e-9)
+
+
+def test_epsilon_agrees_with_the_published_mnist_figure():
+    # TensorFlow Privacy's MNIST tutorial (tutorials/README.md) and Opacus's MNIST example quote
+    # epsilon ~3.0 for these settings, from RDP with the classic conversion
+    # eps = min_alpha rdp(alpha) + log(1/delta) / (alpha - 1) and TF Privacy's orders.
+    orders = [1 + x / 10 for x in range(1, 100)] + list(range(12, 64))
+    account = rdp.RdpAccountant(orders)
+    account.compose(event(MNIST["noise_multiplier"], MNIST["sample_rate"], MNIST["steps"]))
+    classic = min(r + np.log(1 / MNIST["delta"]) / (a - 1)
+                  for a, r in zip(orders, account._rdp))  # pylint: disable=protected-access
+    assert 2.9 <= classic <= 3.05
+    # dp_accounting's tighter RDP conversion and PLD give less for the same training
+    tighter = epsilon(**MNIST)
+    assert 2.4 < tighter < classic and epsilon(**MNIST, accountant="pld") < tighter
+
+
+def test_epsilon_grows_with_steps_and_shrinks_with_noise():
+    assert epsilon(1.0, 0.01, 100, 1e-5) < epsilon(1.0, 0.01, 1000, 1e-5)
+    assert epsilon(2.0, 0.01, 1000, 1e-5) < epsilon(1.0, 0.01, 1000, 1e-5)
+    assert epsilon(0.0, 0.01, 10, 1e-5) == float("inf")
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+@pytest.mark.parametrize("target", [1.0, 3.0, 8.0])
+def test_noise_multiplier_for_epsilon_inverts_epsilon_within_one_percent(accountant, target):
+    q, steps = 64 / 1500, 300
+    sigma = noise_multiplier_for_epsilon(target, q, steps, 1e-5, accountant)
+    assert epsilon(sigma, q, steps, 1e-5, accountant) <= target
+    assert epsilon(0.99 * sigma, q, steps, 1e-5, accountant) > target
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: epsilon(1.0, 0.1, 10, 0.0), "delta must be in"),
+    (lambda: epsilon(1.0, 0.1, 10, 1.0), "delta must be in"),
+    (lambda: epsilon(1.0, 0.0, 10, 1e-5), "sample_rate must be in"),
+    (lambda: epsilon(1.0, 1.5, 10, 1e-5), "sample_rate must be in"),
+    (lambda: epsilon(-1.0, 0.1, 10, 1e-5), "noise_multiplier must be >= 0"),
+    (lambda: epsilon(1.0, 0.1, 0, 1e-5), "steps must be a positive integer"),
+    (lambda: epsilon(1.0, 0.1, 10, 1e-5, "moments"), "unknown accountant"),
+    (lambda: noise_multiplier_for_epsilon(0.0, 0.1, 10, 1e-5), "target_epsilon must be positive"),
+    (lambda: noise_multiplier_for_epsilon(0.01, 1.0, 10_000, 1e-9), r"out of reach: even .* gives epsilon"),
+])
+def test_accounting_refuses_bad_arguments_with_the_fix(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# --------------------------------------------------------------------------- the reference
+
+
+def clipped_by_hand(model, x, y, clip, expected_batch_size):
+    """One tape per example, each gradient clipped with NumPy; summed, over the expected size."""
+    variables = model.trainable_variables
+    total = [np.zeros(v.shape) for v in variables]
+    for i in range(len(y)):
+        xi = [t[i:i + 1] for t in x] if isinstance(x, list) else x[i:i + 1]
+        with tf.GradientTape() as tape:
+            loss = LOSS(y[i:i + 1], model(xi, training=True))[0]
+        grads = [tf.convert_to_tensor(g).numpy() for g in tape.gradient(loss, variables)]
+        norm = np.sqrt(sum(np.sum(g.astype("float64") ** 2) for g in grads))
+        total = [t + g * min(1.0, clip / norm) for t, g in zip(total, grads)]
+    return [t / expected_batch_size for t in total]
+
+
+def build(name, seed=0):
+    keras.utils.set_random_seed(seed)
+    model = MODELS[name]()
+    x, _ = batch_for(name, 2)
+    model(x)
+    return model
+
+
+def poisson_epoch(name, n, q, seed):
+    x, y = batch_for(name, n, seed)
+    if isinstance(x, list):
+        raise NotImplementedError
+    return list(poisson_batches(x, y, q, seed))
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "text", "transformer"])
+def test_dp_step_without_noise_equals_clipping_each_example_with_a_tape(name):
+    batches = poisson_epoch(name, 24, 0.25, seed=np.random.default_rng().integers(1000))
+    batches.append((batches[0][0][:0], batches[0][1][:0]))  # an empty batch passes through
+    model, reference = build(name), build(name)
+    step = make_dp_train_step(model, LOSS, keras.optimizers.SGD(0.5), l2_norm_clip=0.3,
+                              noise_multiplier=0.0, expected_batch_size=6, seed=0)
+    sizes = [int(step(xb, yb)) for xb, yb in batches]
+    optimizer = keras.optimizers.SGD(0.5)
+    for xb, yb in batches:  # the reference runs after the method under test
+        grads = clipped_by_hand(reference, xb, yb, 0.3, 6)
+        optimizer.apply([tf.constant(g, v.dtype) for g, v in zip(grads, reference.trainable_variables)],
+                        reference.trainable_variables)
+    assert sizes == [len(yb) for _, yb in batches]
+    assert_gradients_close(model.trainable_variables, reference.trainable_variables, **TOL)
+
+
+def test_dp_model_fit_for_one_epoch_equals_the_hand_written_loop():
+    x, y = batch_for("mlp", 30, seed=np.random.default_rng().integers(1000))
+    dp = DPModel(build("mlp"), l2_norm_clip=0.2, noise_multiplier=0.0, expected_batch_size=8,
+                 seed=0)
+    dp.compile(optimizer=keras.optimizers.SGD(0.5), loss=LOSS)
+    history = dp.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    reference, optimizer = build("mlp"), keras.optimizers.SGD(0.5)
+    for start in range(0, 30, 8):
+        grads = clipped_by_hand(reference, x[start:start + 8], y[start:start + 8], 0.2, 8)
+        optimizer.apply([tf.constant(g, tf.float32) for g in grads], reference.trainable_variables)
+    assert_gradients_close(dp.model.trainable_variables, reference.trainable_variables, **TOL)
+    assert np.isfinite(history.history["loss"][0])
+    assert dp.evaluate(x, y, verbose=0) == pytest.approx(float(np.mean(LOSS(y, dp(x)))), rel=1e-5)
+
+
+def replicated(replicas):
+    return tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)],
+                                          cross_device_ops=tf.distribute.ReductionToOneDevice())
+
+
+def noise_std(strategy=None, seed=3, draws=12):
+    """Std of (update with noise) - (update without), over ``draws`` steps of a 650-weight layer."""
+    x, y = batch_for("mlp", 6, seed=1)
+    scope = (strategy or tf.distribute.get_strategy()).scope
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(6)
+    ds = strategy.experimental_distribute_dataset(ds) if strategy else ds
+    runs = []
+    for sigma in (2.0, 0.0):
+        with scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(50),
+                                      keras.layers.Dense(3)])
+            optimizer = keras.optimizers.SGD(1.0)
+        step = make_dp_train_step(model, LOSS, optimizer, 1.0, sigma, 10, strategy=strategy,
+                                  seed=seed)
+        start = [v.numpy() for v in model.trainable_variables]
+        updates = []
+        for _ in range(draws):
+            model.set_weights(start)
+            for batch in ds:
+                step(*batch)
+            updates.append(model.trainable_variables[0].numpy() - start[0])
+        runs.append(np.array(updates))
+    return float(np.std(runs[0] - runs[1]))
+
+
+def test_noise_std_is_sigma_times_clip_over_the_expected_batch_size():
+    # 12 draws x 600 weights: the sample std is within about 1% of the true one
+    assert noise_std() == pytest.approx(2.0 * 1.0 / 10, rel=0.05)
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_noise_on_replicas_is_added_once_not_once_per_replica(replicas):
+    assert noise_std(replicated(replicas)) == pytest.approx(2.0 * 1.0 / 10, rel=0.05)
+
+
+def test_seeds_make_runs_repeatable():
+    x, y = batch_for("mlp", 8, seed=5)
+
+    def run(seed):
+        model = build("mlp")
+        step = make_dp_train_step(model, LOSS, keras.optimizers.SGD(0.1), 1.0, 1.0, 8, seed=seed)
+        for _ in range(3):
+            step(x, y)
+        return [v.numpy() for v in model.trainable_variables]
+
+    first, again, other = run(7), run(7), run(8)
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+    assert not all(np.array_equal(a, b) for a, b in zip(first, other))
+
+
+def test_dp_model_under_mirrored_strategy_equals_one_device():
+    x, y = batch_for("mlp", 24, seed=np.random.default_rng().integers(1000))
+    strategy = replicated(2)
+    with strategy.scope():
+        dp = DPModel(build("mlp"), l2_norm_clip=0.2, noise_multiplier=0.0,
+                     expected_batch_size=12, seed=0)
+        dp.compile(optimizer=keras.optimizers.SGD(0.5), loss=LOSS)
+    dp.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0)
+    single = DPModel(build("mlp"), 0.2, 0.0, 12, seed=0)
+    single.compile(optimizer=keras.optimizers.SGD(0.5), loss=LOSS)
+    single.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0)
+    assert_gradients_close(dp.model.trainable_variables, single.model.trainable_variables, **TOL)
+
+
+def test_poisson_batches_sample_each_example_independently():
+    x, y = np.arange(400)[:, None], np.arange(400)
+    q = 0.05
+    included = np.array([[np.isin(y, yb) for _, yb in poisson_batches(x, y, q, seed)]
+                         for seed in range(10)]).reshape(-1, 400)  # 200 batches x 400 examples
+    assert len(included) == 10 * round(1 / q)
+    assert included.sum(axis=1).mean() == pytest.approx(q * 400, rel=0.1)
+    together = (included[:, :200] & included[:, 200:]).mean()  # pairs of distinct examples
+    assert together == pytest.approx(q * q, rel=0.25)
+    sizes = [len(yb) for _, yb in poisson_batches(x[:20], y[:20], 0.01, seed=0)]
+    assert 0 in sizes and len(set(sizes)) > 1
+    first = [yb.tolist() for _, yb in poisson_batches(x, y, q, seed=3)]
+    assert first == [yb.tolist() for _, yb in poisson_batches(x, y, q, seed=3)]
+
+
+def test_dp_training_refuses_what_would_break_privacy_with_the_fix():
+    model = build("mlp")
+    with pytest.raises(ValueError, match="reduces over the batch"):
+        make_dp_train_step(model, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                           keras.optimizers.SGD(), 1.0, 1.0, 8)
+    with pytest.raises(ValueError, match="l2_norm_clip must be positive"):
+        make_dp_train_step(model, LOSS, keras.optimizers.SGD(), 0.0, 1.0, 8)
+    with pytest.raises(ValueError, match="noise_multiplier must be >= 0"):
+        make_dp_train_step(model, LOSS, keras.optimizers.SGD(), 1.0, -1.0, 8)
+    with pytest.raises(ValueError, match="expected_batch_size must be a positive integer"):
+        make_dp_train_step(model, LOSS, keras.optimizers.SGD(), 1.0, 1.0, 0)
+    bn = keras.Sequential([keras.Input((12,)), keras.layers.Dense(4),
+                           keras.layers.BatchNormalization(), keras.layers.Dense(3)])
+    with pytest.raises(ValueError, match="BatchNormalization"):
+        make_dp_train_step(bn, LOSS, keras.optimizers.SGD(), 1.0, 1.0, 8)
+    dp = DPModel(bn, 1.0, 1.0, 8)
+    with pytest.raises(ValueError, match="BatchNormalization"):
+        dp.compile(optimizer="sgd", loss=LOSS)
+    with pytest.raises(ValueError, match="reduces over the batch"):
+        DPModel(model, 1.0, 1.0, 8).compile(
+            optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match="per-example loss"):
+        DPModel(model, 1.0, 1.0, 8).compile(optimizer="sgd")
