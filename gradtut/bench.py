@@ -5,7 +5,8 @@ Each section runs in a fresh Python process, because some need TensorFlow starte
 median over interleaved repeats and a ratio to a reference measured in the same process.
 
 - ``per_example`` (notebook 01): per-example gradient methods and ghost norms against one
-  batch gradient, on an MLP, and the one-pass methods on a CNN and a small transformer;
+  batch gradient, on an MLP, and the one-pass methods on a CNN and a small transformer; a
+  DP-SGD training step (``DPModel``) against a plain ``fit`` step on the MLP and the CNN;
 - ``input_gradients`` (02): per-example input gradients, single pass against ``map_fn``,
   ``vectorized_map`` and a loop;
 - ``data_parallel`` (03): a training step on 2 and 4 replicas against one device;
@@ -44,7 +45,7 @@ def _default_device():
 def _per_example(quick):
     import gradtut
     gradtut.setup(seed=0)
-    from gradtut.bench_per_example import ALL, benchmark_per_example
+    from gradtut.bench_per_example import ALL, benchmark_dp_step, benchmark_per_example
 
     methods = ["vectorized", "outer", "ghost norms", "clipped"] if quick else list(ALL)
     rows = benchmark_per_example([256] if quick else [32, 256, 1024], methods,
@@ -59,6 +60,10 @@ def _per_example(quick):
         out += [_row(f"{model}: {r['method']}, batch {r['batch_size']}", r["median_ms"], "ms",
                      r["ratio"], "batch gradient") for r in rows
                 if r["method"] != "batch gradient"]
+    for model in ("mlp", "cnn"):  # DP-SGD as a Keras user runs it: DPModel's step in fit
+        r = benchmark_dp_step(model, repeats=5 if quick else 15)
+        out.append(_row(f"{model}: DPModel training step, batch {r['batch_size']}",
+                        r["median_ms"], "ms", r["ratio"], "plain fit step"))
     return _default_device(), out
 
 

@@ -146,6 +146,36 @@ def benchmark_per_example(batch_sizes=(32, 256, 1024), methods=ALL, repeats=5,
     return rows
 
 
+def benchmark_dp_step(model="mlp", batch_size=256, repeats=7, noise_multiplier=1.0):
+    """Time one DP-SGD training step (``gradtut.privacy.DPModel``, through ``train_on_batch``,
+    the step ``fit`` runs) against one ordinary Keras training step of the same model, in
+    interleaved rounds.
+
+    Returns:
+      dict ``{"model", "batch_size", "median_ms", "reference_ms", "ratio"}``.
+    """
+    from gradtut.privacy import DPModel  # pylint: disable=import-outside-toplevel
+
+    shape, build = MODELS[model]
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch_size, *shape)).astype("float32")
+    y = rng.integers(0, 10, size=batch_size)
+    plain = build()
+    plain.compile(optimizer=keras.optimizers.SGD(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    private = DPModel(build(), l2_norm_clip=1.0, noise_multiplier=noise_multiplier,
+                      expected_batch_size=batch_size, seed=0)
+    private.compile(optimizer=keras.optimizers.SGD(0.01),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                                    reduction=None))
+    timings = compare_timings({"plain fit step": lambda: plain.train_on_batch(x, y),
+                               "DPModel step": lambda: private.train_on_batch(x, y)},
+                              reference="plain fit step", warmup=2, repeats=repeats)
+    dp = next(t for t in timings if t.name == "DPModel step")
+    return {"model": model, "batch_size": batch_size, "median_ms": dp.median_ms,
+            "reference_ms": timings[0].median_ms, "ratio": dp.ratio}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[32, 256, 1024])

@@ -441,10 +441,10 @@ def _norms_from_grads(model, grads):
 
 def _ghost_sq_norms_fn(model, loss_fn, training):
     """A function returning (recorded layers, fallback variables, their per-example grads,
-    ``[B]`` squared norms), for use inside a tf.function."""
+    ``[B]`` squared norms, ``[B]`` losses), for use inside a tf.function."""
 
     def ghost(x, y):
-        layers, _ = _one_pass(model, loss_fn, x, y, training)
+        layers, losses = _one_pass(model, loss_fn, x, y, training)
         dtype = _norm_dtype(model)
         trainable = {id(v) for v in model.trainable_variables}
         parts = [tf.cast(layer_rules.sq_norms_of(layer, rule, pairs, trainable), dtype)
@@ -452,7 +452,7 @@ def _ghost_sq_norms_fn(model, loss_fn, training):
         rest = _fallback_variables(model, layers)
         rest_grads = _vectorized_fn(model, loss_fn, training, rest)(x, y) if rest else []
         parts += [tf.cast(layer_rules.squared_norms(t), dtype) for t in rest_grads]
-        return layers, rest, rest_grads, tf.add_n(parts)
+        return layers, rest, rest_grads, tf.add_n(parts), losses
 
     return ghost
 
@@ -487,23 +487,34 @@ def per_example_gradient_norms(model, loss_fn, x, y, method="ghost", *, training
 
     def build():
         ghost = _ghost_sq_norms_fn(model, loss_fn, training)
-        return _checked_function(lambda x, y: tf.sqrt(ghost(x, y)[-1]), reduce_retracing=True)
+        return _checked_function(lambda x, y: tf.sqrt(ghost(x, y)[3]), reduce_retracing=True)
 
     return _cached(model, ("ghost", loss_fn, training), build)(x, y)
 
 
-def clipped_sum_fn(model, loss_fn, training=False):
+def clipped_sum_fn(model, loss_fn, training=False, with_outputs=False):
     """``f(x, y, clip) -> sum_b g_b * min(1, clip / ||g_b||)``: the sum of per-example gradients
     clipped to norm ``clip``, one tensor per trainable variable (in its dtype), for use inside a
     ``tf.function``. Built from ghost norms and one reweighted sum per layer, so layers with a
-    ghost rule never materialise per-example gradients. An empty batch gives zeros.
+    ghost rule never materialise per-example gradients.
+
+    With ``with_outputs=True``, ``f`` returns ``(gradients, losses, predictions)``: the
+    ``[B]`` per-example losses and the model's outputs from the same forward pass (a training
+    step reports them without a second forward pass).
 
     Arguments are not checked here: :func:`clipped_gradient` and ``gradtut.privacy`` check them.
     """
-    ghost = _ghost_sq_norms_fn(model, loss_fn, training)
+    outputs = {}
+
+    def recording_loss(y_true, y_pred):  # the one-pass forward calls it first: keep that call's
+        outputs.setdefault("predictions", y_pred)
+        return loss_fn(y_true, y_pred)
+
+    ghost = _ghost_sq_norms_fn(model, recording_loss if with_outputs else loss_fn, training)
 
     def clipped_sum(x, y, clip):
-        layers, rest, rest_grads, sq = ghost(x, y)
+        outputs.clear()
+        layers, rest, rest_grads, sq, losses = ghost(x, y)
         norms = tf.sqrt(sq)
         weights = tf.minimum(tf.ones_like(norms),
                              tf.cast(clip, norms.dtype) / tf.maximum(norms, 1e-12))
@@ -512,7 +523,8 @@ def clipped_sum_fn(model, loss_fn, training=False):
             found.update(layer_rules.weighted_sum_of(layer, rule, pairs, weights))
         for v, t in zip(rest, rest_grads):
             found[id(v)] = tf.tensordot(tf.cast(weights, t.dtype), t, axes=1)
-        return [tf.cast(found[id(v)], v.dtype) for v in model.trainable_variables]
+        grads = [tf.cast(found[id(v)], v.dtype) for v in model.trainable_variables]
+        return (grads, losses, outputs["predictions"]) if with_outputs else grads
 
     return clipped_sum
 

@@ -19,12 +19,14 @@ Example:
   >>> dp.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(
   ...     from_logits=True, reduction=None))  # doctest: +SKIP
 """
+import contextlib
 import math
 
 import dp_accounting
 import keras
 import numpy as np
 import tensorflow as tf
+from absl import logging as absl_logging
 from dp_accounting import pld, rdp
 
 from gradtut import per_example
@@ -34,6 +36,20 @@ _MAX_NOISE = 1e3  # the search for a noise multiplier stops here
 
 
 # ------------------------------------------------------------------------------- accounting
+
+
+@contextlib.contextmanager
+def _without_order_warnings():
+    """dp_accounting's RDP accountant logs a warning for each fractional Renyi order whose
+    series does not converge, and then leaves that order out. Leaving an order out can only
+    make epsilon larger (it is a minimum over orders), so the result stays a valid bound; the
+    warnings would only fill a notebook's output."""
+    verbosity = absl_logging.get_verbosity()
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    try:
+        yield
+    finally:
+        absl_logging.set_verbosity(verbosity)
 
 
 def _check_accounting(sample_rate, steps, delta, accountant):
@@ -80,8 +96,9 @@ def epsilon(noise_multiplier, sample_rate, steps, delta, accountant="rdp"):
         dp_accounting.PoissonSampledDpEvent(
             sample_rate, dp_accounting.GaussianDpEvent(noise_multiplier)), int(steps))
     account = rdp.RdpAccountant() if accountant == "rdp" else pld.PLDAccountant()
-    account.compose(event)
-    return float(account.get_epsilon(delta))
+    with _without_order_warnings():
+        account.compose(event)
+        return float(account.get_epsilon(delta))
 
 
 def noise_multiplier_for_epsilon(target_epsilon, sample_rate, steps, delta, accountant="rdp"):
@@ -169,21 +186,39 @@ def _check_training(model, loss_fn, l2_norm_clip, noise_multiplier, expected_bat
     per_example.check_model(model, loss_fn, training=True, method="ghost")
 
 
+def _empty_outputs(model, x):
+    """Zero losses and predictions for an empty batch, or None where the model's output shape
+    is not known in advance (a subclassed model)."""
+    try:
+        shape = model.output_shape
+    except (AttributeError, ValueError):
+        return None
+    if not isinstance(shape, tuple) or not all(isinstance(d, (int, type(None))) for d in shape):
+        return None  # several outputs
+    return (tf.zeros([0], model.compute_dtype), tf.zeros([0, *shape[1:]], model.compute_dtype))
+
+
 def _dp_gradients_fn(model, loss_fn, l2_norm_clip, noise_multiplier, expected_batch_size, seed):
-    """``f(x, y, step) -> gradients`` for the calling replica (or the only one): the
-    clipped sum plus this replica's share of the noise, over ``expected_batch_size``. The noise
-    is drawn from ``(seed, step)``, identically on every replica, and each replica adds
-    ``1/R`` of it; the optimizer's sum over replicas then holds the noise exactly once."""
-    clipped_sum = per_example.clipped_sum_fn(model, loss_fn, training=True)
+    """``f(x, y, step) -> (gradients, per-example losses, predictions)`` for the calling
+    replica (or the only one): the clipped sum plus this replica's share of the noise, over
+    ``expected_batch_size``. The noise is drawn from ``(seed, step)``, identically on every
+    replica, and each replica adds ``1/R`` of it; the optimizer's sum over replicas then holds
+    the noise exactly once."""
+    clipped_sum = per_example.clipped_sum_fn(model, loss_fn, training=True, with_outputs=True)
     std = noise_multiplier * l2_norm_clip
 
     def gradients(x, y, step):
         replicas = tf.distribute.get_replica_context().num_replicas_in_sync
-        # An empty batch (Poisson sampling makes them) contributes zeros. It must not reach
-        # the model: TensorFlow's convolutions reject a batch of 0 with a shape error.
-        sums = tf.cond(tf.shape(tf.nest.flatten(x)[0])[0] > 0,
-                       lambda: clipped_sum(x, y, l2_norm_clip),
-                       lambda: [tf.zeros_like(v) for v in model.trainable_variables])
+        empty = _empty_outputs(model, x)
+        if empty is None:
+            sums, losses, predictions = clipped_sum(x, y, l2_norm_clip)
+        else:
+            # An empty batch (Poisson sampling makes them) contributes zeros. It must not
+            # reach the model: TensorFlow's convolutions reject a batch of 0.
+            sums, losses, predictions = tf.cond(
+                tf.shape(tf.nest.flatten(x)[0])[0] > 0,
+                lambda: clipped_sum(x, y, l2_norm_clip),
+                lambda: ([tf.zeros_like(v) for v in model.trainable_variables], *empty))
         grads = []
         for i, s in enumerate(sums):
             if std:
@@ -192,7 +227,7 @@ def _dp_gradients_fn(model, loss_fn, l2_norm_clip, noise_multiplier, expected_ba
                                                    stddev=std / replicas, dtype=s.dtype)
             grads.append(s / tf.cast(expected_batch_size, s.dtype))
         per_example._refuse_hazards()  # pylint: disable=protected-access
-        return grads
+        return grads, losses, predictions
 
     return gradients
 
@@ -237,7 +272,7 @@ def make_dp_train_step(model, loss_fn, optimizer, l2_norm_clip, noise_multiplier
                                  expected_batch_size, tf.constant(seed, tf.int64))
 
     def replica_step(x, y, step):
-        optimizer.apply(gradients(x, y, step), model.trainable_variables)
+        optimizer.apply(gradients(x, y, step)[0], model.trainable_variables)
         return tf.shape(tf.nest.flatten(x)[0])[0]
 
     @tf.function(reduce_retracing=True)
@@ -297,24 +332,11 @@ class DPModel(keras.Model):
     def train_step(self, data):
         x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
         self._dp_steps.assign_add(1)
-        grads = self._dp_gradients(x, y, self._dp_steps.read_value())
+        grads, losses, y_pred = self._dp_gradients(x, y, self._dp_steps.read_value())
         self.optimizer.apply(grads, self.model.trainable_variables)
-        y_pred = self._predict_or_empty(x)
-        losses = self._per_example_loss(y, y_pred)
         mean_loss = tf.math.divide_no_nan(tf.reduce_sum(losses),
                                           tf.cast(tf.size(losses), losses.dtype))
-        for metric in self.metrics:
+        for metric in self.metrics:  # metrics from the step's own forward pass, as Keras does
             if metric.name == "loss":
                 metric.update_state(mean_loss)
         return self.compute_metrics(x, y, y_pred, None)
-
-    def _predict_or_empty(self, x):
-        """The model's output, or an empty one for an empty batch (which a convolution would
-        reject), so that metrics see zero examples."""
-        try:
-            shape = self.model.output_shape
-        except (AttributeError, ValueError):  # a subclassed model: no static output shape
-            return self.model(x, training=False)
-        batch = tf.shape(tf.nest.flatten(x)[0])[0]
-        return tf.cond(batch > 0, lambda: self.model(x, training=False),
-                       lambda: tf.zeros([0, *shape[1:]], self.model.compute_dtype))

@@ -252,3 +252,4 @@ def test_dp_training_refuses_what_would_break_privacy_with_the_fix():
             optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     with pytest.raises(ValueError, match="per-example loss"):
         DPModel(model, 1.0, 1.0, 8).compile(optimizer="sgd")
+
