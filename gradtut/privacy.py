@@ -20,13 +20,13 @@ Example:
   ...     from_logits=True, reduction=None))  # doctest: +SKIP
 """
 import contextlib
+import logging
 import math
 
 import dp_accounting
 import keras
 import numpy as np
 import tensorflow as tf
-from absl import logging as absl_logging
 from dp_accounting import pld, rdp
 
 from gradtut import per_example
@@ -38,18 +38,24 @@ _MAX_NOISE = 1e3  # the search for a noise multiplier stops here
 # ------------------------------------------------------------------------------- accounting
 
 
-@contextlib.contextmanager
-def _without_order_warnings():
+class _DropNonConvergingOrders(logging.Filter):
     """dp_accounting's RDP accountant logs a warning for each fractional Renyi order whose
     series does not converge, and then leaves that order out. Leaving an order out can only
     make epsilon larger (it is a minimum over orders), so the result stays a valid bound; the
-    warnings would only fill a notebook's output."""
-    verbosity = absl_logging.get_verbosity()
-    absl_logging.set_verbosity(absl_logging.ERROR)
+    warnings would only fill a notebook's output. Every other message passes."""
+
+    def filter(self, record):
+        return "failed to converge" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _without_order_warnings():
+    logger, drop = logging.getLogger("absl"), _DropNonConvergingOrders()
+    logger.addFilter(drop)
     try:
         yield
     finally:
-        absl_logging.set_verbosity(verbosity)
+        logger.removeFilter(drop)
 
 
 def _check_accounting(sample_rate, steps, delta, accountant):
@@ -98,7 +104,12 @@ def epsilon(noise_multiplier, sample_rate, steps, delta, accountant="rdp"):
     account = rdp.RdpAccountant() if accountant == "rdp" else pld.PLDAccountant()
     with _without_order_warnings():
         account.compose(event)
-        return float(account.get_epsilon(delta))
+        eps = float(account.get_epsilon(delta))
+    if not eps > 0:  # dp_accounting returns 0 when it meets a negative Renyi divergence
+        raise RuntimeError(f"dp_accounting returned epsilon {eps} for noise_multiplier "
+                           f"{noise_multiplier}, which is not a valid bound; try the other "
+                           "accountant")
+    return eps
 
 
 def noise_multiplier_for_epsilon(target_epsilon, sample_rate, steps, delta, accountant="rdp"):
@@ -147,6 +158,11 @@ def poisson_batches(x, y, sample_rate, seed):
     Poisson-subsampling amplification that :func:`epsilon` counts on does not apply as
     computed. Their guarantee needs a different (and weaker, for the same noise) analysis.
 
+    Use a new seed for every pass: the same seed gives the same batches again, and repeated
+    samples are not the independent ones the accountant counts (``fit(epochs=E)`` over one
+    generator with a fixed seed does exactly that; chain E passes with seeds ``seed + e``
+    into one epoch instead, as notebook 01 does).
+
     Args:
       x, y: arrays with the same first dimension N.
       sample_rate: q in (0, 1].
@@ -184,9 +200,15 @@ def _check_training(model, loss_fn, l2_norm_clip, noise_multiplier, expected_bat
     # the engine's own checks: a reducing loss, BatchNormalization in training, grouped
     # convolutions and random layers where the one-pass methods would get them wrong
     per_example.check_model(model, loss_fn, training=True, method="ghost")
+    if model.losses:
+        raise ValueError(
+            "the model has regularisation losses (kernel_regularizer, activity_regularizer or "
+            "add_loss); DP-SGD here clips and noises only the per-example data loss, so they "
+            "would be left out of training. Remove them; for weight decay use the optimizer's "
+            "weight_decay argument, which acts on the weights, not on the data.")
 
 
-def _empty_outputs(model, x):
+def _empty_outputs(model, loss_fn):
     """Zero losses and predictions for an empty batch, or None where the model's output shape
     is not known in advance (a subclassed model)."""
     try:
@@ -195,7 +217,10 @@ def _empty_outputs(model, x):
         return None
     if not isinstance(shape, tuple) or not all(isinstance(d, (int, type(None))) for d in shape):
         return None  # several outputs
-    return (tf.zeros([0], model.compute_dtype), tf.zeros([0, *shape[1:]], model.compute_dtype))
+    outputs = getattr(model, "outputs", None)
+    out_dtype = outputs[0].dtype if outputs else model.compute_dtype
+    return (tf.zeros([0], getattr(loss_fn, "dtype", None) or "float32"),
+            tf.zeros([0, *shape[1:]], out_dtype))
 
 
 def _dp_gradients_fn(model, loss_fn, l2_norm_clip, noise_multiplier, expected_batch_size, seed):
@@ -209,7 +234,7 @@ def _dp_gradients_fn(model, loss_fn, l2_norm_clip, noise_multiplier, expected_ba
 
     def gradients(x, y, step):
         replicas = tf.distribute.get_replica_context().num_replicas_in_sync
-        empty = _empty_outputs(model, x)
+        empty = _empty_outputs(model, loss_fn)
         if empty is None:
             sums, losses, predictions = clipped_sum(x, y, l2_norm_clip)
         else:
@@ -256,7 +281,9 @@ def make_dp_train_step(model, loss_fn, optimizer, l2_norm_clip, noise_multiplier
       optimizer: a Keras optimizer.
       l2_norm_clip, noise_multiplier: C > 0 and sigma >= 0.
       expected_batch_size: sample rate x number of examples (a positive int).
-      seed: int for repeatable noise; None draws one.
+      seed: int for repeatable noise (tests, tutorials); None draws a fresh one. Anyone who
+        knows the seed can recompute and subtract the noise, so a known seed voids the
+        guarantee: train models you publish with None, and never reuse a seed.
 
     Raises:
       ValueError: bad arguments; BatchNormalization in the model; a reducing loss; and as
@@ -276,10 +303,20 @@ def make_dp_train_step(model, loss_fn, optimizer, l2_norm_clip, noise_multiplier
         return tf.shape(tf.nest.flatten(x)[0])[0]
 
     @tf.function(reduce_retracing=True)
-    def step(x, y):
+    def compiled_step(x, y):
         counter.assign_add(1)
         batches = strategy.run(replica_step, args=(x, y, counter.read_value()))
         return strategy.reduce(tf.distribute.ReduceOp.SUM, batches, axis=None)
+
+    def step(x, y):
+        if strategy.num_replicas_in_sync > 1 and not all(
+                isinstance(t, tf.distribute.DistributedValues) for t in tf.nest.flatten((x, y))):
+            raise ValueError(
+                f"with {strategy.num_replicas_in_sync} replicas, pass batches from "
+                "strategy.experimental_distribute_dataset: a plain tensor would reach every "
+                "replica whole, so each example would be counted once per replica and the "
+                "noise would be too small for the stated epsilon")
+        return compiled_step(x, y)
 
     return step
 
@@ -291,8 +328,11 @@ class DPModel(keras.Model):
     callbacks and ``evaluate`` as usual. Each ``train_step`` clips, sums, adds the noise once
     and divides by ``expected_batch_size``, as :func:`make_dp_train_step`; under
     ``MirroredStrategy.scope()`` the noise is still added once. Feed it Poisson batches
-    (:func:`poisson_batches`, e.g. through ``tf.data.Dataset.from_generator``) for the
-    guarantee that :func:`epsilon` computes.
+    (:func:`poisson_batches`, e.g. through ``tf.data.Dataset.from_generator``, a new seed per
+    pass) for the guarantee that :func:`epsilon` computes. ``seed`` as in
+    :func:`make_dp_train_step`: None for models you publish. The loss and metrics that
+    ``fit`` reports are computed on the private batches and are not covered by epsilon.
+    ``sample_weight``, ``class_weight`` and regularisation losses are refused.
 
     Example:
       >>> dp = DPModel(model, l2_norm_clip=1.0, noise_multiplier=1.1,
@@ -313,7 +353,13 @@ class DPModel(keras.Model):
         self.expected_batch_size = expected_batch_size
         self.seed = int(np.random.default_rng().integers(2**31)) if seed is None else int(seed)
         self._dp_gradients = None
-        self._dp_steps = None
+        # The noise of step t is drawn from (seed, t). The counter is a weight of this model:
+        # created once (compiling again does not restart it, which would replay the noise),
+        # saved and restored with the weights, and, created under a strategy's scope, one
+        # value shared by all replicas.
+        self._dp_steps = self.add_weight(shape=(), dtype="int64", initializer="zeros",
+                                         trainable=False, aggregation="only_first_replica",
+                                         name="dp_steps")
 
     def call(self, inputs, training=False):
         return self.model(inputs, training=training)
@@ -323,20 +369,22 @@ class DPModel(keras.Model):
                         self.expected_batch_size)
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
         self._per_example_loss = loss
-        self._dp_steps = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
         self._dp_gradients = _dp_gradients_fn(
             self.model, loss, self.l2_norm_clip, self.noise_multiplier,
             self.expected_batch_size, tf.constant(self.seed, tf.int64))
 
     def train_step(self, data):
-        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        if sample_weight is not None:
+            raise ValueError("DPModel does not take sample_weight or class_weight: a weight "
+                             "above 1 would let one example move the model by more than the "
+                             "clip norm. Resample the data instead.")
         self._dp_steps.assign_add(1)
-        grads, losses, y_pred = self._dp_gradients(x, y, self._dp_steps.read_value())
+        grads, losses, y_pred = self._dp_gradients(x, y, tf.identity(self._dp_steps.value))
         self.optimizer.apply(grads, self.model.trainable_variables)
         mean_loss = tf.math.divide_no_nan(tf.reduce_sum(losses),
                                           tf.cast(tf.size(losses), losses.dtype))
         for metric in self.metrics:  # metrics from the step's own forward pass, as Keras does
-            if metric.name == "loss":
-                metric.update_state(mean_loss)
+            if metric.name == "loss":  # batches vary in size: weight each by its examples
+                metric.update_state(mean_loss, sample_weight=tf.cast(tf.size(losses), tf.float32))
         return self.compute_metrics(x, y, y_pred, None)
