@@ -257,6 +257,11 @@ def _dp_gradients_fn(model, loss_fn, l2_norm_clip, noise_multiplier, expected_ba
     return gradients
 
 
+def _seed(seed):
+    """``seed`` as an int, or a fresh one from the operating system's entropy for None."""
+    return int(np.random.default_rng().integers(2**31)) if seed is None else int(seed)
+
+
 def make_dp_train_step(model, loss_fn, optimizer, l2_norm_clip, noise_multiplier,
                        expected_batch_size, *, strategy=None, seed=None):
     """A DP-SGD step for custom loops: ``step(x, y) -> number of examples in the batch``.
@@ -291,7 +296,7 @@ def make_dp_train_step(model, loss_fn, optimizer, l2_norm_clip, noise_multiplier
     """
     _check_training(model, loss_fn, l2_norm_clip, noise_multiplier, expected_batch_size)
     strategy = strategy or tf.distribute.get_strategy()
-    seed = int(np.random.default_rng().integers(2**31)) if seed is None else int(seed)
+    seed = _seed(seed)
     with strategy.scope():
         counter = tf.Variable(0, dtype=tf.int64, trainable=False,
                               aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
@@ -351,7 +356,7 @@ class DPModel(keras.Model):
         self.l2_norm_clip = float(l2_norm_clip)
         self.noise_multiplier = float(noise_multiplier)
         self.expected_batch_size = expected_batch_size
-        self.seed = int(np.random.default_rng().integers(2**31)) if seed is None else int(seed)
+        self.seed = _seed(seed)
         self._dp_gradients = None
         # The noise of step t is drawn from (seed, t). The counter is a weight of this model:
         # created once (compiling again does not restart it, which would replay the noise),

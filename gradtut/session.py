@@ -64,21 +64,6 @@ def captured_stderr():
             caught.text = sink.read().decode("utf-8", "replace")
 
 
-@contextlib.contextmanager
-def _quiet_stderr_fd():
-    """Silence file descriptor 2 for the duration of the block (:func:`captured_stderr`,
-    discarded).
-
-    TensorFlow's C++ side logs "oneDNN custom operations are on", "Could not find cuda drivers"
-    and "failed call to cuInit" through absl *before* absl's logging is initialised, and those
-    lines ignore ``TF_CPP_MIN_LOG_LEVEL`` (abseil/abseil-cpp#1718, #1957). In a notebook they
-    land in the cell's stderr, which nbval compares, so the import and device start-up run with
-    fd 2 caught and dropped. Python exceptions still propagate normally.
-    """
-    with captured_stderr():
-        yield
-
-
 def _runtime_started():
     """True once TensorFlow's eager context (and with it the allocator and devices) exists."""
     import sys
@@ -150,7 +135,11 @@ def setup(seed=0, virtual_cpus=None, bfc_allocator=True, deterministic=True,
     if bfc_allocator and not started_before:
         os.environ[_BFC_ENV] = "true"
 
-    with _quiet_stderr_fd():
+    # TensorFlow's C++ side logs "oneDNN custom operations are on", "Could not find cuda
+    # drivers" and "failed call to cuInit" through absl *before* absl's logging is initialised,
+    # and those lines ignore TF_CPP_MIN_LOG_LEVEL (abseil/abseil-cpp#1718, #1957). In a notebook
+    # they would land in the cell's stderr, which nbval compares: catch and drop them.
+    with captured_stderr():
         import tensorflow as tf  # noqa: F401  (imported here so the log-level setting applies)
         import keras
 

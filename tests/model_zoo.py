@@ -1,6 +1,7 @@
 """Small models shared by the tests: each stands for a family of layers with or without a rule."""
 import keras
 import numpy as np
+import tensorflow as tf
 
 # The test process runs with this many virtual CPUs, so data-parallel tests can use up to 4
 # replicas; everything else runs on CPU:0 as usual.
@@ -222,3 +223,11 @@ def batch_for(name, batch_size, seed=0):
             x[:, 4:] = 0  # padding
         return x, y
     return rng.normal(size=(batch_size, *INPUT_SHAPES[name])).astype("float32"), y
+
+
+def strategy_with(replicas):
+    """A MirroredStrategy over the first ``replicas`` virtual CPUs. It reduces through one
+    device, so strategies of different sizes can live in one test process (collective ops
+    keep their group size per process)."""
+    return tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)],
+                                          cross_device_ops=tf.distribute.ReductionToOneDevice())

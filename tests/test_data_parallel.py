@@ -7,14 +7,9 @@ import tensorflow as tf
 from gradtut.checks import assert_gradients_close
 from gradtut.data_parallel import (accumulating_train_step, make_train_step,
                                    replica_mean_loss_mistake, single_device_step)
-from model_zoo import LOSS
+from model_zoo import LOSS, strategy_with
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
-
-
-def strategy_with(replicas):
-    return tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)],
-                                          cross_device_ops=tf.distribute.ReductionToOneDevice())
 
 
 def build(regularized):

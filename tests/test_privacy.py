@@ -11,7 +11,7 @@ from dp_accounting import pld, rdp
 from gradtut.checks import assert_gradients_close
 from gradtut.privacy import (DPModel, epsilon, make_dp_train_step, noise_multiplier_for_epsilon,
                              poisson_batches)
-from model_zoo import LOSS, MODELS, batch_for
+from model_zoo import LOSS, MODELS, batch_for, strategy_with
 
 TOL = {"rtol": 1e-4, "atol": 1e-6}
 # TF Privacy's and Opacus's MNIST example: sigma 1.1, batch 256 of 60,000, 60 epochs, delta 1e-5
@@ -152,11 +152,6 @@ def test_dp_model_fit_for_one_epoch_equals_the_hand_written_loop():
     assert dp.evaluate(x, y, verbose=0) == pytest.approx(float(np.mean(LOSS(y, dp(x)))), rel=1e-5)
 
 
-def replicated(replicas):
-    return tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)],
-                                          cross_device_ops=tf.distribute.ReductionToOneDevice())
-
-
 def noise_std(strategy=None, seed=3, draws=12):
     """Std of (update with noise) - (update without), over ``draws`` steps of a 650-weight layer."""
     x, y = batch_for("mlp", 6, seed=1)
@@ -190,7 +185,7 @@ def test_noise_std_is_sigma_times_clip_over_the_expected_batch_size():
 
 @pytest.mark.parametrize("replicas", [2, 3])
 def test_noise_on_replicas_is_added_once_not_once_per_replica(replicas):
-    assert noise_std(replicated(replicas)) == pytest.approx(2.0 * 1.0 / 10, rel=0.05)
+    assert noise_std(strategy_with(replicas)) == pytest.approx(2.0 * 1.0 / 10, rel=0.05)
 
 
 def test_seeds_make_runs_repeatable():
@@ -212,7 +207,7 @@ def test_dp_model_under_mirrored_strategy_equals_one_device():
     seed = int(np.random.default_rng().integers(1000))
     print("data seed", seed)
     x, y = batch_for("mlp", 24, seed=seed)
-    strategy = replicated(2)
+    strategy = strategy_with(2)
     with strategy.scope():
         dp = DPModel(build("mlp"), l2_norm_clip=0.2, noise_multiplier=0.0,
                      expected_batch_size=12, seed=0)
@@ -270,7 +265,7 @@ def test_dp_training_refuses_what_would_break_privacy_with_the_fix():
     dp.compile(optimizer="sgd", loss=LOSS)
     with pytest.raises(ValueError, match="does not take sample_weight"):
         dp.fit(x, y, sample_weight=np.ones(8), verbose=0)
-    strategy = replicated(2)
+    strategy = strategy_with(2)
     with strategy.scope():
         on_replicas = build("mlp")
     step = make_dp_train_step(on_replicas, LOSS, keras.optimizers.SGD(), 1.0, 1.0, 8,
@@ -304,7 +299,7 @@ def dp_model_noise(strategy, recompile=False, steps=3):
 
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_dp_model_adds_fresh_noise_once_per_step_also_on_replicas(replicas):
-    strategy = replicated(replicas) if replicas > 1 else tf.distribute.get_strategy()
+    strategy = strategy_with(replicas) if replicas > 1 else tf.distribute.get_strategy()
     noise = dp_model_noise(strategy)
     assert noise.std() == pytest.approx(2.0 * 1.0 / 10, rel=0.1)
     assert abs(np.corrcoef(noise[0], noise[1])[0, 1]) < 0.15  # a new draw every step
