@@ -64,6 +64,8 @@ def _per_example(quick):
         r = benchmark_dp_step(model, repeats=5 if quick else 15)
         out.append(_row(f"{model}: DPModel training step, batch {r['batch_size']}",
                         r["median_ms"], "ms", r["ratio"], "plain fit step"))
+        out.append(_row(f"{model}: the same step without its {r['parameters']:,} noise draws",
+                        r["no_noise_ms"], "ms", r["no_noise_ratio"], "plain fit step"))
     return _default_device(), out
 
 
