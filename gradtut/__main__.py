@@ -14,7 +14,7 @@ def main(argv=None):
     if argv[0] != "bench":
         sys.stderr.write(f"python -m gradtut: error: unknown command {argv[0]!r}; try 'bench'\n")
         return 2
-    from gradtut.bench import main as bench
+    from gradtut.bench.command import main as bench
 
     return bench(argv[1:])
 

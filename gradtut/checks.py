@@ -1,8 +1,12 @@
-"""Comparing gradients with a reference, with messages that say what differs and where.
+"""Comparing gradients with a reference, with messages that say what differs and where; and
+the package's checks for integer, real and seed arguments.
 
 Introduced in notebook 01; every later notebook and test uses it to show a fast method agrees
 with its slow, obviously-correct reference.
 """
+import collections.abc
+import math
+
 import numpy as np
 import tensorflow as tf
 
@@ -20,12 +24,64 @@ def _label(i, names, expected):
     return f"#{i} ({name})" if isinstance(name, str) else f"#{i}"
 
 
+def _describe(value):
+    if isinstance(value, collections.abc.Mapping):
+        return f"a dict with keys {sorted(map(str, value))}"
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a single {type(value).__name__}"
+
+
+def _kind(value):
+    if isinstance(value, collections.abc.Mapping):
+        return "dict"
+    if isinstance(value, (list, tuple)) or tf.nest.is_nested(value):
+        return "sequence"  # a list and a tuple of the same entries count as the same nest
+    return "leaf"
+
+
+def _structure_difference(actual, expected, path="the top level"):
+    """Where two nests first differ in structure (a message), or None. Lists and tuples are
+    interchangeable (``tape.gradient`` returns whichever it was given); dicts must have the same
+    keys; a dict never matches a list, nor a nest a single tensor."""
+    kind = _kind(expected)
+    if _kind(actual) != kind:
+        return f"at {path}, actual is {_describe(actual)} but expected is {_describe(expected)}"
+    if kind == "dict":
+        if set(actual) != set(expected):
+            extra = sorted(map(str, set(actual) - set(expected)))
+            missing = sorted(map(str, set(expected) - set(actual)))
+            return (f"at {path}, the dict keys differ: only in actual {extra}, only in expected "
+                    f"{missing}")
+        pairs = [(f"[{key!r}]", actual[key], expected[key]) for key in sorted(expected, key=str)]
+    elif kind == "sequence":
+        if not isinstance(expected, (list, tuple)):  # a namedtuple or attrs class: tf.nest decides
+            try:
+                tf.nest.assert_same_structure(actual, expected, check_types=True)
+            except (TypeError, ValueError) as err:
+                return f"at {path}: {err}"
+            return None
+        if len(actual) != len(expected):
+            return f"at {path}, actual has {len(actual)} entries but expected has {len(expected)}"
+        pairs = [(f"[{i}]", a, e) for i, (a, e) in enumerate(zip(actual, expected))]
+    else:
+        return None
+    for step, a, e in pairs:
+        where = step if path == "the top level" else path + step
+        difference = _structure_difference(a, e, where)
+        if difference:
+            return difference
+    return None
+
+
 def assert_gradients_close(actual, expected, rtol=1e-5, atol=1e-6, names=None):
     """Assert two nests of gradients are elementwise close: ``|a - e| <= atol + rtol * |e|``.
 
     Args:
       actual: a tensor, array, or list/tuple/dict nest of them (``tf.IndexedSlices`` allowed).
-      expected: the reference, with the same nest structure and shapes.
+      expected: the reference, with the same nest structure and shapes. A list and a tuple
+        with the same entries match (``tape.gradient`` returns whichever it was given); a dict
+        matches only a dict with the same keys.
       rtol, atol: relative and absolute tolerance, as in ``numpy.allclose``.
       names: optional list of names, one per flattened entry (for example
         ``[v.path for v in model.trainable_variables]``), used in the failure message.
@@ -34,18 +90,26 @@ def assert_gradients_close(actual, expected, rtol=1e-5, atol=1e-6, names=None):
       The largest absolute error over all entries (a float), so a notebook can print it.
 
     Raises:
-      AssertionError: the nests differ in length, an entry differs in shape or is None, or values
-        differ beyond tolerance. The message names the entry (index and name), its shapes, and the
-        largest absolute and relative error and where it occurs.
+      AssertionError: the nests differ in length or structure (dict keys, a dict against a
+        list), an entry differs in shape or is None, or values differ beyond tolerance. The
+        message names the entry (index and name), its shapes, and the largest absolute and
+        relative error and where it occurs.
 
     Example:
       >>> assert_gradients_close([np.ones(3)], [np.ones(3) + 1e-9])  # doctest: +ELLIPSIS
       1.0...e-09
+      >>> assert_gradients_close({"w": np.ones(2)}, {"kernel": np.ones(2)})
+      Traceback (most recent call last):
+      ...
+      AssertionError: the gradients differ in structure: at the top level, the dict keys differ: only in actual ['w'], only in expected ['kernel']
     """
     flat_a = tf.nest.flatten(actual, expand_composites=False)
     flat_e = tf.nest.flatten(expected, expand_composites=False)
     if len(flat_a) != len(flat_e):
         raise AssertionError(f"got {len(flat_a)} gradients, expected {len(flat_e)}")
+    difference = _structure_difference(actual, expected)
+    if difference:
+        raise AssertionError(f"the gradients differ in structure: {difference}")
     if names is not None and len(names) != len(flat_e):
         raise ValueError(f"names has {len(names)} entries for {len(flat_e)} gradients")
     worst = 0.0
@@ -74,3 +138,108 @@ def assert_gradients_close(actual, expected, rtol=1e-5, atol=1e-6, names=None):
                 f"{rel_err.max():.3g}"
             )
     return worst
+
+
+def check_int(value, name, minimum=1):
+    """``value`` as a Python int, after checking it is an integer ``>= minimum``.
+
+    The one meaning of "a positive int" across gradtut: Python and NumPy integers pass; bools
+    (``True`` would count as 1), floats (even ``4.0``) and strings are refused.
+
+    Args:
+      value: the argument to check.
+      name: its name, used in the error message.
+      minimum: the smallest allowed value (1 for counts, 0 for "none allowed").
+
+    Returns:
+      ``int(value)``.
+
+    Raises:
+      ValueError: ``value`` is not an integer, is a bool, or is below ``minimum``. The message
+        names the argument, what it got and what to pass instead.
+
+    Example:
+      >>> check_int(np.int64(4), "accumulation_steps")
+      4
+      >>> check_int(True, "num_workers")
+      Traceback (most recent call last):
+      ...
+      ValueError: num_workers must be a positive int, got True (a bool); pass a whole number such as 1
+    """
+    wanted = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        kind = "a bool" if isinstance(value, (bool, np.bool_)) else type(value).__name__
+        raise ValueError(f"{name} must be {wanted}, got {value!r} ({kind}); pass a whole "
+                         f"number such as {max(minimum, 1)}")
+    if value < minimum:
+        raise ValueError(f"{name} must be {wanted}, got {value}")
+    return int(value)
+
+
+def check_real(value, name):
+    """``value`` as a Python float, after checking it is one finite real number.
+
+    Python and NumPy ints and floats pass; bools, strings, None, arrays and tensors (even 0-d)
+    are refused, as are NaN and infinity. Range checks (positive, at most 1, ...) stay with the
+    caller, whose message can say what the number means.
+
+    Args:
+      value: the argument to check.
+      name: its name, used in the error message.
+
+    Returns:
+      ``float(value)``.
+
+    Raises:
+      ValueError: ``value`` is not a finite real number. The message names the argument, what
+        it got and what to pass instead.
+
+    Example:
+      >>> check_real(np.float32(0.5), "l2_norm_clip")
+      0.5
+      >>> check_real("1.0", "l2_norm_clip")
+      Traceback (most recent call last):
+      ...
+      ValueError: l2_norm_clip must be a real number (a Python or NumPy int or float), got '1.0' (str); pass a number such as 1.0
+    """
+    if isinstance(value, (bool, np.bool_)):
+        got = f"{value!r} (a bool)"
+    elif isinstance(value, (np.ndarray, tf.Tensor, tf.Variable)):
+        got = f"an array of shape {tuple(value.shape)} (use float(x) for a one-element array)"
+    elif not isinstance(value, (int, float, np.integer, np.floating)):
+        got = f"{value!r} ({type(value).__name__})"
+    else:
+        got = None
+    if got:
+        raise ValueError(f"{name} must be a real number (a Python or NumPy int or float), got "
+                         f"{got}; pass a number such as 1.0")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}; pass a number such as 1.0")
+    return float(value)
+
+
+def check_seed(seed, name="seed", allow_none=True):
+    """``seed`` as a Python int in ``[0, 2**63)`` (what NumPy and TensorFlow's stateless random
+    ops both take), or None where ``allow_none`` (a fresh seed from the operating system).
+
+    Raises:
+      ValueError: a bool, float, string, negative or too large seed; None where not allowed.
+
+    Example:
+      >>> check_seed(np.int32(7)), check_seed(None)
+      (7, None)
+      >>> check_seed(-1)
+      Traceback (most recent call last):
+      ...
+      ValueError: seed must be an int >= 0, got -1; or None for a fresh random seed
+    """
+    if seed is None and allow_none:
+        return None
+    try:
+        seed = check_int(seed, name, minimum=0)
+    except ValueError as err:
+        hint = "; or None for a fresh random seed" if allow_none else ""
+        raise ValueError(f"{err}{hint}") from None
+    if seed >= 2**63:
+        raise ValueError(f"{name} must be below 2**63 (TensorFlow's int64), got {seed}")
+    return seed

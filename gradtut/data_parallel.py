@@ -9,21 +9,81 @@ count. The steps here divide by the global batch's actual size (summed over repl
 time), so a batch that does not split evenly, or a short final batch, is still weighted right.
 
 Build the model and optimizer under ``strategy.scope()`` and feed the steps batches from
-``strategy.experimental_distribute_dataset``.
+``strategy.experimental_distribute_dataset``. Under the default strategy
+(``tf.distribute.get_strategy()``, one device) the same steps are ordinary single-device
+training; ``gradtut.efficiency.make_accumulating_train_step`` is this module's accumulating
+step used that way.
 """
+import functools
+
+import keras
+import numpy as np
 import tensorflow as tf
+
+from gradtut.checks import check_int, check_real, check_seed
+# One set of model, loss and batch checks for the package: gradtut.per_example's.
+from gradtut.per_example import (_batch_size, _check_loss, _check_model_type, _check_present,
+                                 _per_example_losses, _to_tensors)
+from gradtut.session import child_command, child_result
 
 _SUM = tf.distribute.ReduceOp.SUM
 
 
-def _per_example_losses(model, loss_fn, x, y):
-    losses = loss_fn(y, model(x, training=True))
-    if losses.shape.rank != 1:
+# ------------------------------------------------------------------------- argument checks
+
+
+def _check_strategy(strategy):
+    if not all(hasattr(strategy, name) for name in ("run", "reduce", "scope",
+                                                     "num_replicas_in_sync")):
+        raise TypeError(f"strategy must be a tf.distribute strategy, got "
+                        f"{type(strategy).__name__}; pass e.g. tf.distribute.MirroredStrategy(), "
+                        "or tf.distribute.get_strategy() for one device")
+
+
+def _check_optimizer(optimizer):
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"optimizer must be a Keras optimizer object, got {optimizer!r}; pass "
+                        "e.g. keras.optimizers.SGD(0.1) (names such as 'sgd' work only in "
+                        "model.compile)")
+
+
+def _check_every_replica_gets_examples(strategy, examples, what):
+    replicas = strategy.num_replicas_in_sync
+    if examples < replicas:
         raise ValueError(
-            f"loss_fn must return per-example losses of shape [B]; it returned shape "
-            f"{losses.shape}. Build Keras losses with reduction=None: the step divides by the "
-            "global batch size itself.")
-    return losses
+            f"{what} {examples} is smaller than the {replicas} replicas: some "
+            "replicas would never see an example. Use a global batch of at least one example per "
+            "replica (usually a multiple of the replica count).")
+
+
+def _check_step_arguments(strategy, model, loss_fn, optimizer, global_batch_size):
+    """What a step factory can check before its first batch; returns ``global_batch_size``."""
+    _check_strategy(strategy)
+    _check_model_type(model)
+    _check_loss(loss_fn)
+    _check_optimizer(optimizer)
+    global_batch_size = check_int(global_batch_size, "global_batch_size")
+    _check_every_replica_gets_examples(strategy, global_batch_size, "global_batch_size")
+    return global_batch_size
+
+
+def _checked_batch(x, y):
+    """``(x, y, examples)``: the batch as (nests of) tensors and its size, after refusing None,
+    x and y of different lengths, and an empty batch."""
+    _check_present(x, "x")
+    _check_present(y, "y")
+    x, y = _to_tensors(x), _to_tensors(y)
+    examples, labels = _batch_size(x, "x"), _batch_size(y, "y")
+    if examples is None or labels is None:  # traced with an unknown batch: checked when run
+        return x, y, examples
+    if examples != labels:
+        raise ValueError(f"x has {examples} examples but y has {labels}: they must match")
+    if not examples:
+        raise ValueError("the batch is empty: pass at least one example")
+    return x, y, examples
+
+
+# ------------------------------------------------------------------------------- the steps
 
 
 def _regularization(model):
@@ -33,15 +93,14 @@ def _regularization(model):
     return tf.nn.scale_regularization_loss(tf.add_n(model.losses))
 
 
-def _check_global_batch_size(strategy, global_batch_size):
-    if not isinstance(global_batch_size, int) or global_batch_size < 1:
-        raise ValueError(f"global_batch_size must be a positive int, got {global_batch_size!r}")
-    replicas = strategy.num_replicas_in_sync
-    if global_batch_size < replicas:
-        raise ValueError(
-            f"global_batch_size {global_batch_size} is smaller than the {replicas} replicas: some "
-            "replicas would never see an example. Use a global batch of at least one example per "
-            "replica (usually a multiple of the replica count).")
+def _regularization_gradients(model, replicas=1):
+    """Gradients of the model's losses divided by ``replicas`` (one replica's share), lined up
+    with ``model.trainable_variables``; None for a variable they do not reach."""
+    if not model.losses:
+        return [None] * len(model.trainable_variables)
+    with tf.GradientTape() as tape:
+        total = tf.add_n(model.losses) / replicas
+    return tape.gradient(total, model.trainable_variables)
 
 
 def make_train_step(strategy, model, loss_fn, optimizer, global_batch_size):
@@ -56,7 +115,7 @@ def make_train_step(strategy, model, loss_fn, optimizer, global_batch_size):
     Args:
       strategy: a ``tf.distribute`` strategy (``MirroredStrategy``,
         ``MultiWorkerMirroredStrategy``, the default strategy, ...).
-      model, optimizer: created under ``strategy.scope()``.
+      model, optimizer: a Keras model and optimizer, created under ``strategy.scope()``.
       loss_fn: ``loss_fn(y_true, y_pred) -> [B]`` per-example losses (Keras losses with
         ``reduction=None``).
       global_batch_size: the batch size the dataset was batched with (positive, at least the
@@ -68,101 +127,52 @@ def make_train_step(strategy, model, loss_fn, optimizer, global_batch_size):
 
     Raises:
       ValueError: ``global_batch_size`` is not a positive int or is smaller than the replica
-        count; at the first call, a ``loss_fn`` that does not return ``[B]``.
+        count; ``loss_fn`` is a loss name (a string); at the first call, a ``loss_fn`` that
+        does not return ``[B]`` (a mean or sum over the batch: build it with ``reduction=None``).
+      TypeError: ``strategy``, ``model`` or ``optimizer`` is not one, or ``loss_fn`` cannot be
+        called.
 
-    Example:
-      >>> with strategy.scope():  # doctest: +SKIP
-      ...     model, optimizer = build_model(), keras.optimizers.SGD(0.1)
-      >>> step = make_train_step(strategy, model, loss, optimizer, 64)  # doctest: +SKIP
-      >>> for batch in strategy.experimental_distribute_dataset(ds.batch(64)):  # doctest: +SKIP
-      ...     loss_value = step(batch)
+    Example (one device here; notebook 03 uses a ``MirroredStrategy`` over virtual CPUs):
+      >>> strategy = tf.distribute.get_strategy()
+      >>> with strategy.scope():
+      ...     model = keras.Sequential([keras.Input((3,)),
+      ...                               keras.layers.Dense(2, kernel_initializer="zeros")])
+      ...     optimizer = keras.optimizers.SGD(0.1)
+      >>> loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+      >>> data = tf.data.Dataset.from_tensor_slices((np.ones((4, 3), "float32"), [0, 1, 1, 0]))
+      >>> step = make_train_step(strategy, model, loss, optimizer, global_batch_size=4)
+      >>> [round(float(step(batch)), 4) for batch in
+      ...  strategy.experimental_distribute_dataset(data.batch(4))]  # ln 2: logits start at 0
+      [0.6931]
     """
-    _check_global_batch_size(strategy, global_batch_size)
+    _check_step_arguments(strategy, model, loss_fn, optimizer, global_batch_size)
 
     def replica_step(x, y):
         context = tf.distribute.get_replica_context()
         with tf.GradientTape() as tape:
-            losses = _per_example_losses(model, loss_fn, x, y)
+            losses = _per_example_losses(model, loss_fn, x, y, training=True)
             examples = context.all_reduce(_SUM, tf.cast(tf.size(losses), losses.dtype))
             loss = tf.reduce_sum(losses) / tf.maximum(examples, 1.0) + _regularization(model)
         optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
         return loss
 
-    @tf.function
-    def step(batch):
+    return _summed_over_replicas(strategy, replica_step)
+
+
+def _summed_over_replicas(strategy, replica_fn, **tf_function_options):
+    """A ``tf.function`` ``(distributed_batch) -> replica_fn(x, y)`` run on every replica and
+    summed over them."""
+    @tf.function(**tf_function_options)
+    def run(batch):
         x, y = batch
-        return strategy.reduce(_SUM, strategy.run(replica_step, args=(x, y)), axis=None)
+        return strategy.reduce(_SUM, strategy.run(replica_fn, args=(x, y)), axis=None)
 
-    return step
+    return run
 
 
-def accumulating_train_step(strategy, model, loss_fn, optimizer, global_batch_size,
-                            accumulation_steps):
-    """A training step that applies one update every ``accumulation_steps`` micro-batches.
-
-    Keras's ``optimizer.gradient_accumulation_steps`` fails under ``tf.distribute`` (keras
-    issue 20582), so accumulation happens here, in a custom loop: each replica adds the
-    gradient of its *summed* per-example losses to its own accumulators and counts its
-    examples; on the k-th micro-batch it divides by the number of examples in all k global
-    micro-batches and applies, and the optimizer's all-reduce sums the replicas. The update
-    equals one step on the concatenated k micro-batches (regularisation added once per update),
-    and the accumulators are zeroed after it.
-
-    Args:
-      strategy, model, loss_fn, optimizer, global_batch_size: as :func:`make_train_step`
-        (``global_batch_size`` is the micro-batch size).
-      accumulation_steps: micro-batches per update (positive int).
-
-    Returns:
-      ``step(distributed_batch) -> (loss, applied)``: the micro-batch's mean per-example loss and
-      whether this call applied an update.
-
-    Raises:
-      ValueError: ``accumulation_steps`` is not a positive int, and as :func:`make_train_step`.
-    """
-    _check_global_batch_size(strategy, global_batch_size)
-    if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
-        raise ValueError(f"accumulation_steps must be a positive int, got {accumulation_steps!r}")
-    local = dict(trainable=False, synchronization=tf.VariableSynchronization.ON_READ,
-                 aggregation=tf.VariableAggregation.SUM)
-    with strategy.scope():
-        sums = [tf.Variable(tf.zeros(v.shape, v.dtype), **local) for v in model.trainable_variables]
-        seen = tf.Variable(0.0, **local)
-
-    def replica_accumulate(x, y):
-        context = tf.distribute.get_replica_context()
-        with tf.GradientTape() as tape:
-            losses = _per_example_losses(model, loss_fn, x, y)
-            total = tf.reduce_sum(losses)
-        for s, g in zip(sums, tape.gradient(total, model.trainable_variables)):
-            s.assign_add(tf.convert_to_tensor(g))
-        count = tf.cast(tf.size(losses), losses.dtype)
-        seen.assign_add(count)
-        return total / tf.maximum(context.all_reduce(_SUM, count), 1.0)
-
-    def replica_apply():
-        context = tf.distribute.get_replica_context()
-        examples = tf.maximum(context.all_reduce(_SUM, seen.read_value()), 1.0)
-        with tf.GradientTape() as tape:
-            regularization = _regularization(model)
-        reg_grads = tape.gradient(regularization, model.trainable_variables) if model.losses \
-            else [None] * len(sums)
-        grads = [s.read_value() / examples + (0.0 if r is None else r)
-                 for s, r in zip(sums, reg_grads)]
-        optimizer.apply(grads, model.trainable_variables)
-        for s in sums:
-            s.assign(tf.zeros_like(s))
-        seen.assign(0.0)
-
-    @tf.function
-    def accumulate(batch):
-        x, y = batch
-        return strategy.reduce(_SUM, strategy.run(replica_accumulate, args=(x, y)), axis=None)
-
-    @tf.function
-    def apply():
-        strategy.run(replica_apply)
-
+def _applying_every(accumulation_steps, accumulate, apply):
+    """``step(batch) -> (loss, applied)``: ``accumulate(batch)`` on every call, then
+    ``apply()`` on every ``accumulation_steps``-th."""
     calls = [0]
 
     def step(batch):
@@ -176,19 +186,143 @@ def accumulating_train_step(strategy, model, loss_fn, optimizer, global_batch_si
     return step
 
 
+def _replica_accumulators(strategy, model):
+    """``(sums, seen)``: per-replica gradient sums, one per trainable variable, and a
+    per-replica example count. Read outside a replica, each sums over the replicas."""
+    local = dict(trainable=False, synchronization=tf.VariableSynchronization.ON_READ,
+                 aggregation=tf.VariableAggregation.SUM)
+    with strategy.scope():
+        sums = [tf.Variable(tf.zeros(v.shape, v.dtype), **local) for v in model.trainable_variables]
+        seen = tf.Variable(0.0, **local)
+    return sums, seen
+
+
+def _accumulate_on_replica(model, loss_fn, sums, seen, x, y):
+    """Add this replica's summed-loss gradient to ``sums`` and its example count to ``seen``;
+    return its share of the micro-batch's mean loss over all replicas."""
+    with tf.GradientTape() as tape:
+        losses = _per_example_losses(model, loss_fn, x, y, training=True)
+        total = tf.reduce_sum(losses)
+    grads = tape.gradient(total, model.trainable_variables, unconnected_gradients="zero")
+    for s, g in zip(sums, grads):
+        s.assign_add(tf.convert_to_tensor(g))
+    count = tf.cast(tf.size(losses), tf.float32)
+    seen.assign_add(count)
+    examples = tf.distribute.get_replica_context().all_reduce(_SUM, count)
+    return total / tf.cast(tf.maximum(examples, 1.0), total.dtype)
+
+
+def _apply_accumulated_on_replica(model, optimizer, sums, seen):
+    """Divide this replica's sums by the examples seen on all replicas, add its share of the
+    regularisation gradient, apply (the optimizer sums the replicas), and zero the state."""
+    context = tf.distribute.get_replica_context()
+    examples = tf.maximum(context.all_reduce(_SUM, seen.read_value()), 1.0)
+    regularization = _regularization_gradients(model, context.num_replicas_in_sync)
+    grads = [s.read_value() / examples + (0.0 if r is None else r)
+             for s, r in zip(sums, regularization)]
+    optimizer.apply(grads, model.trainable_variables)
+    for s in sums:
+        s.assign(tf.zeros_like(s))
+    seen.assign(0.0)
+
+
+def make_accumulating_train_step(strategy, model, loss_fn, optimizer, global_batch_size,
+                                 accumulation_steps):
+    """A training step that applies one update every ``accumulation_steps`` micro-batches.
+
+    Keras's ``optimizer.gradient_accumulation_steps`` fails under ``tf.distribute`` (keras
+    issue 20582), so accumulation happens here, in a custom loop: each replica adds the
+    gradient of its *summed* per-example losses to its own accumulators and counts its
+    examples; on the k-th micro-batch it divides by the number of examples in all k global
+    micro-batches and applies, and the optimizer's all-reduce sums the replicas. The update
+    equals one step on the concatenated k micro-batches, ragged ones included (regularisation
+    added once per update), and the accumulators are zeroed after it.
+    ``gradtut.efficiency.make_accumulating_train_step`` is this step under the default
+    strategy, taking ``(x, y)``.
+
+    Args:
+      strategy, model, loss_fn, optimizer, global_batch_size: as :func:`make_train_step`
+        (``global_batch_size`` is the micro-batch size). The optimizer is built here, under
+        ``strategy.scope()``.
+      accumulation_steps: micro-batches per update (positive int).
+
+    Returns:
+      ``step(distributed_batch) -> (loss, applied)``: the micro-batch's mean per-example loss
+      (a tensor) and whether this call applied an update (a Python bool). ``step.accumulators``
+      (the gradient sums) and ``step.examples_seen`` are the state, for inspection; read
+      outside a replica, each is summed over the replicas.
+
+    Raises:
+      ValueError: ``accumulation_steps`` is not a positive int, and as :func:`make_train_step`.
+      TypeError: as :func:`make_train_step`.
+
+    Example (one device here; notebook 03 uses a ``MirroredStrategy`` over virtual CPUs):
+      >>> strategy = tf.distribute.get_strategy()
+      >>> with strategy.scope():
+      ...     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+      ...     optimizer = keras.optimizers.SGD(0.1)
+      >>> loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+      >>> data = tf.data.Dataset.from_tensor_slices((np.ones((8, 3), "float32"), np.arange(8) % 2))
+      >>> step = make_accumulating_train_step(strategy, model, loss, optimizer, 4,
+      ...                                     accumulation_steps=2)
+      >>> [step(batch)[1] for batch in strategy.experimental_distribute_dataset(data.batch(4))]
+      [False, True]
+      >>> float(step.examples_seen)  # zeroed by the update
+      0.0
+    """
+    _check_step_arguments(strategy, model, loss_fn, optimizer, global_batch_size)
+    accumulation_steps = check_int(accumulation_steps, "accumulation_steps")
+    if not optimizer.built:  # here, not lazily inside `apply`, where slots (Adam's) fail
+        with strategy.scope():
+            optimizer.build(model.trainable_variables)
+    sums, seen = _replica_accumulators(strategy, model)
+    accumulate = _summed_over_replicas(
+        strategy, functools.partial(_accumulate_on_replica, model, loss_fn, sums, seen),
+        reduce_retracing=True)  # a ragged last micro-batch: one more trace, not one per size
+    apply_on_replica = functools.partial(_apply_accumulated_on_replica, model, optimizer, sums,
+                                         seen)
+    step = _applying_every(accumulation_steps, accumulate,
+                           tf.function(lambda: strategy.run(apply_on_replica)))
+    step.accumulators, step.examples_seen = sums, seen
+    return step
+
+
 def replica_mean_loss_mistake(strategy, model, loss_fn, x, y):
     """The loss a replica function with ``tf.reduce_mean`` reports, over the correct global mean.
 
     Returns ``(wrong, right)``: with a plain ``tf.reduce_mean`` per replica, summing the
     replicas (as the optimizer does with gradients) gives ``replicas x`` the global mean loss.
     Used by notebook 03 and the tests to show the classic mistake's factor.
+
+    Args:
+      strategy: a ``tf.distribute`` strategy; model: a Keras model built under its scope.
+      loss_fn: per-example losses, as :func:`make_train_step`.
+      x, y: one global batch (at least one example per replica).
+
+    Raises:
+      ValueError: x or y is None, they differ in length, the batch is empty or smaller than the
+        replica count, ``loss_fn`` is a loss name, or it does not return ``[B]``.
+      TypeError: ``strategy`` or ``model`` is not one, or ``loss_fn`` cannot be called.
+
+    Example (with one replica the mistake costs nothing; 4 replicas give 4.0, notebook 03):
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+      >>> loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+      >>> x, y = np.ones((4, 3), "float32"), np.array([0, 1, 1, 0])
+      >>> wrong, right = replica_mean_loss_mistake(tf.distribute.get_strategy(), model, loss, x, y)
+      >>> round(wrong / right, 6)
+      1.0
     """
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(len(x))
+    _check_strategy(strategy)
+    _check_model_type(model)
+    _check_loss(loss_fn)
+    x, y, examples = _checked_batch(x, y)
+    _check_every_replica_gets_examples(strategy, examples, "the batch size")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(examples)
     batch = next(iter(strategy.experimental_distribute_dataset(dataset)))
 
     def replica(xs, ys):
-        losses = _per_example_losses(model, loss_fn, xs, ys)
-        right = tf.nn.compute_average_loss(losses, global_batch_size=len(x))
+        losses = _per_example_losses(model, loss_fn, xs, ys, training=True)
+        right = tf.nn.compute_average_loss(losses, global_batch_size=examples)
         return tf.reduce_mean(losses), right
 
     wrong, right = strategy.run(replica, args=batch)
@@ -197,14 +331,33 @@ def replica_mean_loss_mistake(strategy, model, loss_fn, x, y):
 
 
 def single_device_step(model, loss_fn, optimizer, x, y):
-    """The reference: one step of ordinary training on the whole (global) batch, one device."""
+    """The reference: one step of ordinary training on the whole (global) batch, one device.
+
+    Returns the mean loss (plus the model's losses) before the update.
+
+    Raises:
+      ValueError: x or y is None, they differ in length, the batch is empty, ``loss_fn`` is a
+        loss name or does not return ``[B]``.
+      TypeError: ``model`` or ``optimizer`` is not one, or ``loss_fn`` cannot be called.
+
+    Example:
+      >>> model = keras.Sequential([keras.Input((3,)),
+      ...                           keras.layers.Dense(2, kernel_initializer="zeros")])
+      >>> loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+      >>> x, y = np.ones((4, 3), "float32"), np.array([0, 1, 1, 0])
+      >>> round(float(single_device_step(model, loss, keras.optimizers.SGD(0.1), x, y)), 4)
+      0.6931
+    """
+    _check_model_type(model)
+    _check_loss(loss_fn)
+    _check_optimizer(optimizer)
+    x, y, _ = _checked_batch(x, y)
     with tf.GradientTape() as tape:
-        loss = tf.reduce_mean(_per_example_losses(model, loss_fn, x, y))
+        loss = tf.reduce_mean(_per_example_losses(model, loss_fn, x, y, training=True))
         if model.losses:
             loss += tf.add_n(model.losses)
     optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
     return loss
-
 
 
 # --------------------------------------------------------------------- local multi-worker runs
@@ -301,14 +454,6 @@ def _die_with_parent():
         pass
 
 
-_WORKER_MAIN = """
-import importlib, json, os, sys
-module_name, function_name, kwargs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-result = getattr(importlib.import_module(module_name), function_name)(**kwargs)
-sys.stdout.write("\\n@@RESULT@@" + json.dumps(result))
-"""
-
-
 def _tail(path, lines=20):
     with open(path, encoding="utf-8", errors="replace") as f:
         return "\n".join(f.read().strip().splitlines()[-lines:])
@@ -357,26 +502,11 @@ def launch_local_workers(target, num_workers, timeout_s, kwargs=None, ports=None
       >>> results = launch_local_workers("gradtut.data_parallel:train_synthetic", 2, 120,
       ...                                kwargs={"steps": 4})  # doctest: +SKIP
     """
-    import json
-    import sys
-
-    if not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
-    if callable(target):
-        if target.__module__ == "__main__" or "<locals>" in target.__qualname__:
-            raise ValueError(f"workers cannot import {target.__qualname__!r} (defined in "
-                             "__main__ or inside a function): move it to a module, or pass a script")
-        target = f"{target.__module__}:{target.__qualname__}"
+    num_workers = check_int(num_workers, "num_workers")
     if ports is not None and len(ports) < num_workers:
         raise ValueError(f"{num_workers} workers need {num_workers} ports; got {len(ports)} "
                          "(more workers than free ports)")
-    if target.endswith(".py"):
-        command = [sys.executable, target]
-    else:
-        module, _, function = target.partition(":")
-        if not function:
-            raise ValueError(f"target {target!r} must be 'module:function' or a .py script")
-        command = [sys.executable, "-c", _WORKER_MAIN, module, function, json.dumps(kwargs or {})]
+    command = _worker_command(target, kwargs)
     # A port found free can be taken before the worker listens on it (by any process on the
     # machine). The worker then fails at once with "Could not start gRPC server": try again
     # with fresh ports, twice at most. Ports the caller chose are used as they are.
@@ -392,77 +522,119 @@ def launch_local_workers(target, num_workers, timeout_s, kwargs=None, ports=None
                                   f"tried {attempts} time(s))") from None
 
 
-def _run_workers(command, ports, timeout_s, env):
-    """Start one worker per port with its TF_CONFIG, wait, and collect what each printed."""
-    import json
-    import os
-    import signal
-    import subprocess
-    import tempfile
-    import time
+def _worker_command(target, kwargs):
+    """The command line each worker runs, for a ``"module:function"``, a module-level
+    function, or a ``.py`` script."""
+    import sys
 
-    num_workers = len(ports)
+    if callable(target):
+        if target.__module__ == "__main__" or "<locals>" in target.__qualname__:
+            raise ValueError(f"workers cannot import {target.__qualname__!r} (defined in "
+                             "__main__ or inside a function): move it to a module, or pass a script")
+        target = f"{target.__module__}:{target.__qualname__}"
+    if not isinstance(target, str):
+        raise ValueError(f"target must be 'module:function', a module-level function or a .py "
+                         f"script path, got {target!r}")
+    if target.endswith(".py"):
+        return [sys.executable, target]
+    module, _, function = target.partition(":")
+    if not function:
+        raise ValueError(f"target {target!r} must be 'module:function' or a .py script")
+    return child_command(module, function, kwargs)
+
+
+def _run_workers(command, ports, timeout_s, env):
+    """Start one worker per port with its TF_CONFIG, wait, and collect what each printed.
+    Every worker is killed, and its logs removed, on the way out, whatever happened."""
+    import shutil
+    import tempfile
+
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     logs = tempfile.mkdtemp(prefix="gradtut-workers-")
     procs, files = [], []
     try:
-        for index in range(num_workers):
-            worker_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {}),
-                          "TF_CONFIG": json.dumps({"cluster": cluster,
-                                                   "task": {"type": "worker", "index": index}})}
-            out = open(os.path.join(logs, f"{index}.out"), "w+", encoding="utf-8")
-            err = open(os.path.join(logs, f"{index}.err"), "w+", encoding="utf-8")
-            files += [out, err]
-            procs.append(subprocess.Popen(command, stdout=out, stderr=err, env=worker_env,
-                                          stdin=subprocess.DEVNULL, start_new_session=True,
-                                          preexec_fn=_die_with_parent))
-        deadline = time.monotonic() + timeout_s
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                first = failed[0]  # the earliest failure is most likely the root cause
-                time.sleep(0.5)  # let the failures it causes in its peers show up too
-                codes = [p.poll() for p in procs]
-                failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
-                which = "; ".join(f"worker {i} of {num_workers} exited with code {codes[i]}"
-                                  for i in [first] + [i for i in failed if i != first])
-                tail = _tail(os.path.join(logs, f"{first}.err"))
-                kind = _PortTaken if "Could not start gRPC server" in tail else WorkerError
-                raise kind(f"{which}; stopped the others. Worker {first}'s stderr ends "
-                           f"with:\n{tail}")
-            if all(c == 0 for c in codes):
-                break
-            if time.monotonic() > deadline:
-                waiting = [i for i, c in enumerate(codes) if c is None]
-                raise WorkerError(f"workers {waiting} still running after {timeout_s} s; stopped "
-                                  f"all of them. Worker {waiting[0]}'s stderr ends with:\n"
-                                  f"{_tail(os.path.join(logs, f'{waiting[0]}.err'))}")
-            time.sleep(0.1)
-        results = []
-        for index in range(num_workers):
-            with open(os.path.join(logs, f"{index}.out"), encoding="utf-8") as f:
-                stdout = f.read()
-            with open(os.path.join(logs, f"{index}.err"), encoding="utf-8") as f:
-                stderr = f.read()
-            result = (json.loads(stdout.rsplit("@@RESULT@@", 1)[1])
-                      if "@@RESULT@@" in stdout else None)
-            results.append({"index": index, "returncode": 0, "result": result,
-                            "stdout": stdout.split("\n@@RESULT@@")[0], "stderr": stderr})
-        return results
+        for index in range(len(ports)):
+            procs.append(_start_worker(command, cluster, index, logs, env, files))
+        _wait_for_workers(procs, logs, timeout_s)
+        return [_worker_result(logs, index) for index in range(len(procs))]
     finally:
-        for p in procs:  # each worker leads its own process group: stop it and its children
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            p.wait()
+        _stop_workers(procs)
         for f in files:
             f.close()
-        for name in os.listdir(logs):
-            os.remove(os.path.join(logs, name))
-        os.rmdir(logs)
+        shutil.rmtree(logs, ignore_errors=True)
+
+
+def _start_worker(command, cluster, index, logs, env, files):
+    """Start worker ``index`` of ``cluster`` with its output in ``logs``; returns the Popen."""
+    import json
+    import os
+    import subprocess
+
+    worker_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {}),
+                  "TF_CONFIG": json.dumps({"cluster": cluster,
+                                           "task": {"type": "worker", "index": index}})}
+    out = open(os.path.join(logs, f"{index}.out"), "w+", encoding="utf-8")
+    err = open(os.path.join(logs, f"{index}.err"), "w+", encoding="utf-8")
+    files += [out, err]
+    return subprocess.Popen(command, stdout=out, stderr=err, env=worker_env,
+                            stdin=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=_die_with_parent)
+
+
+def _wait_for_workers(procs, logs, timeout_s):
+    """Return when every worker exited with 0; raise WorkerError (or _PortTaken) as soon as
+    one fails, or when ``timeout_s`` passes."""
+    import os
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        codes = [p.poll() for p in procs]
+        if any(c not in (None, 0) for c in codes):
+            first = next(i for i, c in enumerate(codes) if c not in (None, 0))
+            time.sleep(0.5)  # let the failures it causes in its peers show up too
+            codes = [p.poll() for p in procs]
+            failed = [i for i, c in enumerate(codes) if c not in (None, 0) and i != first]
+            which = "; ".join(f"worker {i} of {len(procs)} exited with code {codes[i]}"
+                              for i in [first] + failed)  # the earliest is likely the cause
+            tail = _tail(os.path.join(logs, f"{first}.err"))
+            kind = _PortTaken if "Could not start gRPC server" in tail else WorkerError
+            raise kind(f"{which}; stopped the others. Worker {first}'s stderr ends "
+                       f"with:\n{tail}")
+        if all(c == 0 for c in codes):
+            return
+        if time.monotonic() > deadline:
+            waiting = [i for i, c in enumerate(codes) if c is None]
+            raise WorkerError(f"workers {waiting} still running after {timeout_s} s; stopped "
+                              f"all of them. Worker {waiting[0]}'s stderr ends with:\n"
+                              f"{_tail(os.path.join(logs, f'{waiting[0]}.err'))}")
+        time.sleep(0.1)
+
+
+def _worker_result(logs, index):
+    """What worker ``index`` printed and returned, read from its log files."""
+    import os
+
+    with open(os.path.join(logs, f"{index}.out"), encoding="utf-8") as f:
+        stdout, result = child_result(f.read())
+    with open(os.path.join(logs, f"{index}.err"), encoding="utf-8") as f:
+        stderr = f.read()
+    return {"index": index, "returncode": 0, "result": result, "stdout": stdout,
+            "stderr": stderr}
+
+
+def _stop_workers(procs):
+    """Kill every worker still running, with its children (each leads its own group)."""
+    import os
+    import signal
+
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        p.wait()
 
 
 def train_synthetic(steps, global_batch_size=16, checkpoint_dir=None, checkpoint_every=2,
@@ -481,70 +653,47 @@ def train_synthetic(steps, global_batch_size=16, checkpoint_dir=None, checkpoint
     from it and skips the batches already trained on.
 
     Args:
-      crash_at_step: if set, the last worker exits abruptly (``os._exit``) before that step, to
-        simulate a machine failure.
+      steps, global_batch_size, checkpoint_every: positive ints.
+      crash_at_step: if set (an int >= 0), the last worker exits abruptly (``os._exit``) before
+        that step, to simulate a machine failure.
+      mirrored_replicas: None, or the number of virtual CPUs to mirror over (positive int).
+      seed: the data's and the initial weights' seed (an int >= 0).
 
     Returns:
       dict ``{"weights": nested lists, "start_step": int, "steps": int, "task": int,
       "median_step_ms": float}`` (the step time leaves out the first, tracing, step).
+
+    Raises:
+      ValueError: an argument above is not an int in its range (bools refused).
+
+    Example:
+      >>> result = train_synthetic(2)
+      >>> result["start_step"], result["steps"], result["task"]
+      (0, 2, 0)
     """
-    import os
     import shutil
     import statistics
-    import time
 
-    import keras
-    import numpy as np
-
-    if "TF_CONFIG" in os.environ:
-        strategy = tf.distribute.MultiWorkerMirroredStrategy()
-        task, workers = strategy.cluster_resolver.task_id, strategy.num_replicas_in_sync
-    elif mirrored_replicas:
-        strategy = tf.distribute.MirroredStrategy(
-            [f"/cpu:{i}" for i in range(mirrored_replicas)],
-            cross_device_ops=tf.distribute.ReductionToOneDevice())
-        task, workers = 0, 1
-    else:
-        strategy, task, workers = tf.distribute.get_strategy(), 0, 1
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(steps * global_batch_size, 8)).astype("float32")
-    y = rng.integers(0, 3, size=steps * global_batch_size)
-    with strategy.scope():
-        keras.utils.set_random_seed(seed)
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
-                                  keras.layers.Dense(3)])
-        optimizer = keras.optimizers.Adam(0.01)
-        optimizer.build(model.trainable_variables)
-        step = tf.Variable(0, dtype=tf.int64, trainable=False)
+    steps = check_int(steps, "steps")
+    global_batch_size = check_int(global_batch_size, "global_batch_size")
+    checkpoint_every = check_int(checkpoint_every, "checkpoint_every")
+    if crash_at_step is not None:
+        crash_at_step = check_int(crash_at_step, "crash_at_step", minimum=0)
+    if mirrored_replicas is not None:
+        mirrored_replicas = check_int(mirrored_replicas, "mirrored_replicas")
+    seed = check_seed(seed, allow_none=False)
+    strategy, task, workers = _synthetic_strategy(mirrored_replicas)
+    x, y = _synthetic_data(steps * global_batch_size, seed)
+    model, optimizer, step = _synthetic_model(strategy, seed)
     checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, step=step)
-    manager = scratch = None
-    if checkpoint_dir:
-        if tf.train.latest_checkpoint(checkpoint_dir):
-            checkpoint.restore(tf.train.latest_checkpoint(checkpoint_dir)).assert_consumed()
-        directory = checkpoint_dir if task == 0 else os.path.join(checkpoint_dir, f".worker{task}")
-        scratch = None if task == 0 else directory
-        manager = tf.train.CheckpointManager(checkpoint, directory, max_to_keep=2)
+    manager, scratch = _resume_and_manage_checkpoints(checkpoint, checkpoint_dir, task)
     start = int(step.numpy())
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
     train_step = make_train_step(strategy, model, loss_fn, optimizer, global_batch_size)
-    batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch_size).skip(start)
-    if workers > 1:  # one replica per worker: worker i takes rows i, i+n, ... of each batch
-        def shard(context):
-            return batches.map(lambda xb, yb: (xb[context.input_pipeline_id::workers],
-                                               yb[context.input_pipeline_id::workers]))
-        distributed = strategy.distribute_datasets_from_function(shard)
-    else:
-        distributed = strategy.experimental_distribute_dataset(batches)
-    step_seconds = []
-    for batch in distributed:
-        if crash_at_step is not None and int(step.numpy()) == crash_at_step and task == workers - 1:
-            os._exit(17)  # pylint: disable=protected-access  (a simulated machine failure)
-        began = time.perf_counter()
-        float(train_step(batch))  # float(): wait for the step to finish
-        step_seconds.append(time.perf_counter() - began)
-        step.assign_add(1)
-        if manager and int(step.numpy()) % checkpoint_every == 0:
-            manager.save(checkpoint_number=int(step.numpy()))
+    batches = _distributed_batches(strategy, x, y, global_batch_size, start, workers)
+    crash_at = crash_at_step if task == workers - 1 else None  # only the last worker fails
+    step_seconds = _train_and_checkpoint(train_step, batches, step, manager, checkpoint_every,
+                                         crash_at)
     if scratch:
         shutil.rmtree(scratch, ignore_errors=True)
     return {"weights": [w.tolist() for w in model.get_weights()], "start_step": start,
@@ -552,26 +701,119 @@ def train_synthetic(steps, global_batch_size=16, checkpoint_dir=None, checkpoint
             "median_step_ms": 1e3 * statistics.median(step_seconds[1:] or step_seconds or [0.0])}
 
 
+def _synthetic_strategy(mirrored_replicas):
+    """``(strategy, task index, workers)``: multi-worker under ``TF_CONFIG``, else mirrored
+    over ``mirrored_replicas`` virtual CPUs when given, else the default (one device)."""
+    import os
+
+    if "TF_CONFIG" in os.environ:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        return strategy, strategy.cluster_resolver.task_id, strategy.num_replicas_in_sync
+    if mirrored_replicas:
+        strategy = tf.distribute.MirroredStrategy(
+            [f"/cpu:{i}" for i in range(mirrored_replicas)],
+            cross_device_ops=tf.distribute.ReductionToOneDevice())
+        return strategy, 0, 1
+    return tf.distribute.get_strategy(), 0, 1
+
+
+def _synthetic_data(examples, seed):
+    """``examples`` rows of 8 normal features and a label in 0..2, from ``seed``."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(examples, 8)).astype("float32")
+    return x, rng.integers(0, 3, size=examples)
+
+
+def _synthetic_model(strategy, seed):
+    """The MLP 8-16-3, its built Adam and a step counter, all under ``strategy.scope()``."""
+    with strategy.scope():
+        keras.utils.set_random_seed(seed)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+                                  keras.layers.Dense(3)])
+        optimizer = keras.optimizers.Adam(0.01)
+        optimizer.build(model.trainable_variables)
+        step = tf.Variable(0, dtype=tf.int64, trainable=False)
+    return model, optimizer, step
+
+
+def _resume_and_manage_checkpoints(checkpoint, checkpoint_dir, task):
+    """Restore the latest checkpoint in ``checkpoint_dir`` if there is one; return
+    ``(manager, scratch)``: the CheckpointManager this worker saves with (the chief into
+    ``checkpoint_dir``, the others into a scratch directory to remove at the end), or
+    ``(None, None)`` without a directory."""
+    import os
+
+    if not checkpoint_dir:
+        return None, None
+    latest = tf.train.latest_checkpoint(checkpoint_dir)
+    if latest:
+        checkpoint.restore(latest).assert_consumed()
+    directory = checkpoint_dir if task == 0 else os.path.join(checkpoint_dir, f".worker{task}")
+    manager = tf.train.CheckpointManager(checkpoint, directory, max_to_keep=2)
+    return manager, None if task == 0 else directory
+
+
+def _distributed_batches(strategy, x, y, global_batch_size, start, workers):
+    """The global batches from number ``start`` on, distributed; with several workers (one
+    replica each), worker i takes rows i, i+n, ... of each batch."""
+    batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch_size).skip(start)
+    if workers == 1:
+        return strategy.experimental_distribute_dataset(batches)
+
+    def shard(context):
+        return batches.map(lambda xb, yb: (xb[context.input_pipeline_id::workers],
+                                           yb[context.input_pipeline_id::workers]))
+    return strategy.distribute_datasets_from_function(shard)
+
+
+def _train_and_checkpoint(train_step, batches, step, manager, checkpoint_every, crash_at):
+    """Train on every batch, counting in ``step`` and saving every ``checkpoint_every`` steps;
+    exit the process abruptly before step ``crash_at`` (None: never). Returns the seconds of
+    each step."""
+    import os
+    import time
+
+    step_seconds = []
+    for batch in batches:
+        if crash_at is not None and int(step.numpy()) == crash_at:
+            os._exit(17)  # pylint: disable=protected-access  (a simulated machine failure)
+        began = time.perf_counter()
+        float(train_step(batch))  # float(): wait for the step to finish
+        step_seconds.append(time.perf_counter() - began)
+        step.assign_add(1)
+        if manager and int(step.numpy()) % checkpoint_every == 0:
+            manager.save(checkpoint_number=int(step.numpy()))
+    return step_seconds
+
+
 def fit_under_multi_worker(steps=4, global_batch_size=16):
     """``model.fit`` under ``MultiWorkerMirroredStrategy``: fails with Keras 3 (keras issue 20585,
-    tensorflow issue 72388). Kept so notebook 03 can show the real error from real workers."""
-    import keras
-    import numpy as np
+    tensorflow issue 72388). Kept so notebook 03 can show the real error from real workers.
 
+    Raises:
+      ValueError: ``steps`` or ``global_batch_size`` is not a positive int.
+    """
+    steps = check_int(steps, "steps")
+    global_batch_size = check_int(global_batch_size, "global_batch_size")
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     with strategy.scope():
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
         model.compile(optimizer="sgd",
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(steps * global_batch_size, 8)).astype("float32")
-    y = rng.integers(0, 3, size=steps * global_batch_size)
+    x, y = _synthetic_data(steps * global_batch_size, seed=0)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch_size)
     model.fit(dataset, epochs=1, verbose=0)
     return "fit finished"
 
 
 # ---------------------------------------------------------------- the all-reduce cost model
+
+
+def _non_negative(value, name):
+    value = check_real(value, name)
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return value
 
 
 def ring_allreduce_seconds(gradient_bytes, workers, bandwidth_bytes_per_s, latency_s=0.0):
@@ -582,12 +824,20 @@ def ring_allreduce_seconds(gradient_bytes, workers, bandwidth_bytes_per_s, laten
     of ``bandwidth_bytes_per_s``, plus ``2 (N - 1)`` message latencies. A model, not a
     measurement: it ignores overlap with computation, congestion and protocol overhead.
 
+    Raises:
+      ValueError: ``workers`` is not a positive int; ``gradient_bytes`` or ``latency_s`` is
+        not a real number >= 0; the bandwidth is not a positive real number.
+
     Example:
       >>> round(ring_allreduce_seconds(4e8, 8, 12.5e9), 4)   # 100M float32 over 100 Gb/s
       0.056
     """
-    if workers < 1 or gradient_bytes < 0 or bandwidth_bytes_per_s <= 0:
-        raise ValueError("need workers >= 1, gradient_bytes >= 0 and a positive bandwidth")
+    workers = check_int(workers, "workers")
+    gradient_bytes = _non_negative(gradient_bytes, "gradient_bytes")
+    latency_s = _non_negative(latency_s, "latency_s")
+    if check_real(bandwidth_bytes_per_s, "bandwidth_bytes_per_s") <= 0:
+        raise ValueError(f"bandwidth_bytes_per_s must be a positive bandwidth (bytes per second), "
+                         f"got {bandwidth_bytes_per_s!r}")
     if workers == 1:
         return 0.0
     steps = 2 * (workers - 1)
@@ -598,7 +848,20 @@ def predicted_step_seconds(compute_seconds_per_example, global_batch_size, gradi
                            workers, bandwidth_bytes_per_s, latency_s=0.0):
     """Data-parallel step time by a simple model: each worker's compute on its share of the
     global batch, then a ring all-reduce that does not overlap with it. A model, not a
-    measurement; real frameworks overlap communication with the backward pass."""
-    compute = compute_seconds_per_example * global_batch_size / workers
-    return compute + ring_allreduce_seconds(gradient_bytes, workers, bandwidth_bytes_per_s,
-                                            latency_s)
+    measurement; real frameworks overlap communication with the backward pass.
+
+    Raises:
+      ValueError: ``global_batch_size`` or ``workers`` is not a positive int,
+        ``compute_seconds_per_example`` is not a real number >= 0, and as
+        :func:`ring_allreduce_seconds`.
+
+    Example:
+      >>> round(predicted_step_seconds(1e-3, 1024, 4e8, 8, 12.5e9), 4)  # 0.128 s + 0.056 s
+      0.184
+    """
+    compute_seconds_per_example = _non_negative(compute_seconds_per_example,
+                                                "compute_seconds_per_example")
+    global_batch_size = check_int(global_batch_size, "global_batch_size")
+    communication = ring_allreduce_seconds(gradient_bytes, workers, bandwidth_bytes_per_s,
+                                           latency_s)
+    return compute_seconds_per_example * global_batch_size / workers + communication

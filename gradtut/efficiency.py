@@ -8,9 +8,9 @@
   reverse-over-reverse) and the explicit Hessian they are checked against;
 - :func:`compare_compilation`: eager, ``tf.function`` and XLA timed in one run.
 """
+import collections.abc
 import os
 import pickle
-import subprocess
 import sys
 import tempfile
 
@@ -18,46 +18,38 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from gradtut.benchmark import compare_timings, peak_memory_bytes
+from gradtut import data_parallel
+from gradtut.checks import check_int, check_real
+from gradtut.data_parallel import _checked_batch, _regularization_gradients
+from gradtut.measure import compare_timings, peak_memory_bytes
+from gradtut.per_example import _check_loss, _check_model_type, _per_example_losses
+from gradtut.session import allocator_has_stats, run_in_subprocess
+
+
+def _int_from_1_to(value, name, maximum, what):
+    """``value`` as an int from 1 to ``maximum`` (``what`` says what the maximum is); the
+    meaning of an int is :func:`gradtut.checks.check_int`'s (bools and floats refused)."""
+    try:
+        number = check_int(value, name)
+    except ValueError:
+        number = None
+    if number is None or number > maximum:
+        raise ValueError(f"{name} must be an int from 1 to {what} ({maximum}), got {value!r}")
+    return number
 
 
 # --- gradient accumulation -----------------------------------------------------------------
 
-def _summed_loss(loss_fn, y, y_pred):
-    """Sum of per-example losses; a scalar (mean) loss is scaled back up by the batch size."""
-    loss = tf.cast(loss_fn(y, y_pred), tf.float32)
-    if loss.shape.rank == 0:
-        return loss * tf.cast(tf.shape(y_pred)[0], tf.float32)
-    return tf.reduce_sum(loss)
-
-
-def _regularization_gradients(model):
-    with tf.GradientTape() as tape:
-        total = tf.add_n([tf.cast(l, tf.float32) for l in model.losses]) if model.losses else None
-    if total is None:
-        return [None] * len(model.trainable_variables)
-    return tape.gradient(total, model.trainable_variables)
-
-
-def _check_batch(x, y):
-    x, y = tf.convert_to_tensor(x), tf.convert_to_tensor(y)
-    if not x.shape[0]:
-        raise ValueError("the batch is empty: pass at least one example")
-    if y.shape[0] != x.shape[0]:
-        raise ValueError(f"x has {x.shape[0]} examples but y has {y.shape[0]}: they must match")
-    return x, y
-
-
 def _summed_gradient_fn(model, loss_fn):
-    """A compiled ``(x, y) -> (summed loss, gradients of it)``, one per (model, loss)."""
+    """A compiled ``(x, y) -> gradients of the summed per-example losses``, one per
+    (model, loss)."""
     cache = model.__dict__.setdefault("_gradtut_summed_gradient", {})
     if id(loss_fn) not in cache:
         @tf.function(reduce_retracing=True)
         def summed_gradient(x, y):
             with tf.GradientTape() as tape:
-                total = _summed_loss(loss_fn, y, model(x, training=False))
-            return total, tape.gradient(total, model.trainable_variables,
-                                        unconnected_gradients="zero")
+                total = tf.reduce_sum(_per_example_losses(model, loss_fn, x, y, training=False))
+            return tape.gradient(total, model.trainable_variables, unconnected_gradients="zero")
         cache[id(loss_fn)] = (loss_fn, summed_gradient)
     return cache[id(loss_fn)][1]
 
@@ -72,9 +64,12 @@ def accumulated_gradients(model, loss_fn, x, y, micro_batch_size):
     time, which is the point: peak memory follows ``micro_batch_size``, not the batch.
 
     Args:
-      model: a Keras model.
-      loss_fn: ``loss_fn(y_true, y_pred)`` returning per-example losses or their mean.
-      x, y: the whole batch, ``[batch, ...]``.
+      model: a Keras model (called with ``training=False``).
+      loss_fn: ``loss_fn(y_true, y_pred) -> [B]`` per-example losses (Keras losses with
+        ``reduction=None``). A loss that reduces over the batch (the Keras default mean, or a
+        sum) is refused: summing micro-batch means or sums would make the result depend on
+        the micro-batch size.
+      x, y: the whole batch, ``[batch, ...]`` (or nests of such tensors).
       micro_batch_size: examples per micro-batch, from 1 to the batch size.
 
     Returns:
@@ -82,29 +77,40 @@ def accumulated_gradients(model, loss_fn, x, y, micro_batch_size):
       round-off, to the gradient of the mean loss over the whole batch in one pass.
 
     Raises:
-      ValueError: empty batch, ``x``/``y`` length mismatch, or ``micro_batch_size`` not an int
-        from 1 to the batch size.
+      ValueError: ``loss_fn`` does not return ``[B]`` (build it with ``reduction=None``) or is
+        a loss name; x or y is None, empty, or of different lengths; ``micro_batch_size`` not
+        an int from 1 to the batch size.
+      TypeError: ``model`` is not a Keras model, or ``loss_fn`` cannot be called.
 
     Example:
-      >>> grads = accumulated_gradients(model, loss_fn, x, y, micro_batch_size=32)  # doctest: +SKIP
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+      >>> loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+      >>> x, y = np.random.default_rng(0).normal(size=(10, 3)), np.arange(10) % 2
+      >>> with tf.GradientTape() as tape:
+      ...     mean = tf.reduce_mean(loss(y, model(x)))
+      >>> one_pass = tape.gradient(mean, model.trainable_variables)
+      >>> in_fours = accumulated_gradients(model, loss, x, y, micro_batch_size=4)  # 4 + 4 + 2
+      >>> all(np.allclose(a, b, atol=1e-6) for a, b in zip(in_fours, one_pass))
+      True
     """
-    x, y = _check_batch(x, y)
-    batch = x.shape[0]
-    if (not isinstance(micro_batch_size, (int, np.integer)) or isinstance(micro_batch_size, bool)
-            or not 1 <= micro_batch_size <= batch):
-        raise ValueError(f"micro_batch_size must be an int from 1 to the batch size ({batch}), "
-                         f"got {micro_batch_size!r}")
-    step = _summed_gradient_fn(model, loss_fn)
+    _check_model_type(model)
+    _check_loss(loss_fn)
+    x, y, batch = _checked_batch(x, y)
+    micro_batch_size = _int_from_1_to(micro_batch_size, "micro_batch_size", batch,
+                                      "the batch size")
+    gradient_of_sum = _summed_gradient_fn(model, loss_fn)
     sums = None
-    for start in range(0, batch, int(micro_batch_size)):
-        _, grads = step(x[start:start + micro_batch_size], y[start:start + micro_batch_size])
+    for start in range(0, batch, micro_batch_size):
+        part = slice(start, start + micro_batch_size)
+        grads = gradient_of_sum(tf.nest.map_structure(lambda t, p=part: t[p], x),
+                                tf.nest.map_structure(lambda t, p=part: t[p], y))
         sums = list(grads) if sums is None else [s + g for s, g in zip(sums, grads)]
     regularization = _regularization_gradients(model)
     return [s / batch + (0.0 if r is None else r) for s, r in zip(sums, regularization)]
 
 
 def make_accumulating_train_step(model, loss_fn, optimizer, accumulation_steps):
-    """A compiled training step that updates once every ``accumulation_steps`` micro-batches.
+    """A training step on one device that updates once every ``accumulation_steps`` micro-batches.
 
     Each call adds the micro-batch's summed-loss gradient to accumulators and counts its
     examples. On every ``accumulation_steps``-th call it applies the sum divided by the number
@@ -112,78 +118,59 @@ def make_accumulating_train_step(model, loss_fn, optimizer, accumulation_steps):
     the count. The update equals one optimizer step on the concatenated micro-batches, ragged
     ones included.
 
+    It is :func:`gradtut.data_parallel.make_accumulating_train_step` under the current
+    ``tf.distribute`` strategy (the default, one-device one outside any ``strategy.scope()``),
+    taking ``(x, y)`` instead of a distributed batch: the accumulation logic lives there, once.
+
     Args:
-      model, loss_fn: as :func:`accumulated_gradients`.
+      model, loss_fn: as :func:`accumulated_gradients` (the model is called with
+        ``training=True``).
       optimizer: a Keras optimizer (built here on the model's trainable variables).
       accumulation_steps: micro-batches per update (positive int).
 
     Returns:
-      ``step(x, y) -> (loss, applied)``: the micro-batch's mean loss and whether this call
-      applied an update (both tensors). ``step.accumulators`` and ``step.examples_seen`` are the
-      state, for inspection.
+      ``step(x, y) -> (loss, applied)``: the micro-batch's mean loss (a tensor) and whether
+      this call applied an update (a Python bool). ``step.accumulators`` and
+      ``step.examples_seen`` are the state, for inspection.
 
     Raises:
-      ValueError: ``accumulation_steps`` is not a positive int.
+      ValueError: ``accumulation_steps`` is not a positive int, ``loss_fn`` is a loss name; at
+        the first call, a ``loss_fn`` that does not return ``[B]`` (build it with
+        ``reduction=None``); at any call, x or y None, empty or of different lengths.
+      TypeError: ``model`` or ``optimizer`` is not one, or ``loss_fn`` cannot be called.
 
     Example:
-      >>> step = make_accumulating_train_step(model, loss_fn, keras.optimizers.SGD(0.1), 4)  # doctest: +SKIP
-      >>> for xb, yb in micro_batches:  # doctest: +SKIP
-      ...     loss, applied = step(xb, yb)
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+      >>> loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+      >>> step = make_accumulating_train_step(model, loss, keras.optimizers.SGD(0.1), 3)
+      >>> x, y = np.ones((4, 3), "float32"), np.array([0, 1, 1, 0])
+      >>> [step(x, y)[1] for _ in range(6)]
+      [False, False, True, False, False, True]
     """
-    if (not isinstance(accumulation_steps, (int, np.integer)) or isinstance(accumulation_steps, bool)
-            or accumulation_steps < 1):
-        raise ValueError(f"accumulation_steps must be a positive int, got {accumulation_steps!r}")
-    variables = model.trainable_variables
-    optimizer.build(variables)
-    sums = [tf.Variable(tf.zeros(v.shape, tf.float32), trainable=False) for v in variables]
-    seen = tf.Variable(0.0, trainable=False)
-    calls = tf.Variable(0, dtype=tf.int64, trainable=False)
+    strategy = tf.distribute.get_strategy()
+    accumulate = data_parallel.make_accumulating_train_step(
+        strategy, model, loss_fn, optimizer, accumulation_steps=accumulation_steps,
+        global_batch_size=strategy.num_replicas_in_sync)  # checked only: the step counts examples
 
-    def apply_and_reset():
-        regularization = _regularization_gradients(model)
-        grads = [s / seen + (0.0 if r is None else r) for s, r in zip(sums, regularization)]
-        optimizer.apply(grads, variables)
-        for s in sums:
-            s.assign(tf.zeros_like(s))
-        seen.assign(0.0)
-        return tf.constant(True)
-
-    @tf.function(reduce_retracing=True)
     def step(x, y):
-        with tf.GradientTape() as tape:
-            total = _summed_loss(loss_fn, y, model(x, training=True))
-        for s, g in zip(sums, tape.gradient(total, variables, unconnected_gradients="zero")):
-            s.assign_add(g)
-        count = tf.cast(tf.shape(x)[0], tf.float32)
-        seen.assign_add(count)
-        calls.assign_add(1)
-        applied = tf.cond(calls % accumulation_steps == 0, apply_and_reset,
-                          lambda: tf.constant(False))
-        return total / count, applied
+        x, y, _ = _checked_batch(x, y)
+        return accumulate((x, y))
 
-    step.accumulators = sums
-    step.examples_seen = seen
+    step.accumulators, step.examples_seen = accumulate.accumulators, accumulate.examples_seen
     return step
 
 
 # --- peak memory ---------------------------------------------------------------------------
 
-def _allocator_has_stats(device="CPU:0"):
-    try:
-        tf.config.experimental.get_memory_info(device)
-    except (ValueError, RuntimeError):
-        return False
-    return True
-
-
-def _child_main(path):
-    """Entry point of the fresh process: unpickle ``(fn, args)``, measure, print the bytes."""
+def _peak_in_fresh_process(path):
+    """Run in the fresh process (with the BFC allocator): unpickle ``(fn, args)`` from
+    ``path``, warm up once, and return the peak bytes of one more call."""
     import gradtut
     gradtut.setup(bfc_allocator=True)
     with open(path, "rb") as f:
         fn, args = pickle.load(f)
     fn(*args)  # warm-up: tracing, one-off buffers
-    print(f"@@PEAK@@{peak_memory_bytes(fn, *args)}")
+    return peak_memory_bytes(fn, *args)
 
 
 def peak_memory(fn, *args, fresh_process=None, timeout_s=600):
@@ -213,7 +200,7 @@ def peak_memory(fn, *args, fresh_process=None, timeout_s=600):
       >>> peak_memory(tf.zeros, [1024, 1024])  # doctest: +SKIP
       4194304
     """
-    has_stats = _allocator_has_stats()
+    has_stats = allocator_has_stats()
     if fresh_process is None:
         fresh_process = not has_stats
     if not fresh_process:
@@ -232,18 +219,10 @@ def peak_memory(fn, *args, fresh_process=None, timeout_s=600):
     with tempfile.NamedTemporaryFile(suffix=".pkl") as f:
         f.write(payload)
         f.flush()
-        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_CPU_ALLOCATOR_USE_BFC": "true",
+        env = {"TF_CPU_ALLOCATOR_USE_BFC": "true",
                "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # import what we can
-        code = f"from gradtut.efficiency import _child_main; _child_main({f.name!r})"
-        try:
-            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                  env=env, timeout=timeout_s, check=False)
-        except subprocess.TimeoutExpired:  # subprocess.run has killed the child
-            raise RuntimeError(f"the fresh process did not finish within {timeout_s} s") from None
-    if proc.returncode != 0 or "@@PEAK@@" not in proc.stdout:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-10:])
-        raise RuntimeError(f"the fresh process failed (exit {proc.returncode}):\n{tail}")
-    return int(proc.stdout.rsplit("@@PEAK@@", 1)[1].split()[0])
+        return run_in_subprocess("gradtut.efficiency", "_peak_in_fresh_process",
+                                 {"path": f.name}, env=env, timeout_s=timeout_s)
 
 
 # --- gradient checkpointing ----------------------------------------------------------------
@@ -272,20 +251,39 @@ def checkpointed(layers, num_segments):
 
     Raises:
       ValueError: no layers, or ``num_segments`` not an int from 1 to the number of layers.
+      TypeError: ``layers`` is a model (pass ``model.layers``) or holds something that is not
+        a Keras layer.
 
     Example:
-      >>> f = checkpointed(model.layers, num_segments=4)  # doctest: +SKIP
-      >>> with tf.GradientTape() as tape:  # doctest: +SKIP
-      ...     loss = loss_fn(y, f(x))
+      >>> model = keras.Sequential([keras.Input((3,))]
+      ...                          + [keras.layers.Dense(3, activation="tanh") for _ in range(4)])
+      >>> f = checkpointed(model.layers, num_segments=2)
+      >>> [len(segment) for segment in f.segments]
+      [2, 2]
+      >>> x = np.ones((2, 3), "float32")
+      >>> with tf.GradientTape() as tape:
+      ...     loss = tf.reduce_sum(f(x))
+      >>> with tf.GradientTape() as plain_tape:
+      ...     plain = tf.reduce_sum(model(x))
+      >>> all(np.allclose(a, b) for a, b in zip(tape.gradient(loss, model.trainable_variables),
+      ...     plain_tape.gradient(plain, model.trainable_variables)))
+      True
     """
+    if isinstance(layers, keras.layers.Layer):
+        raise TypeError(f"layers must be a list of Keras layers, got the {type(layers).__name__} "
+                        f"{layers.name!r}; pass its layers: checkpointed(model.layers, ...)")
+    if not isinstance(layers, collections.abc.Iterable):
+        raise TypeError(f"layers must be a list of Keras layers, got {type(layers).__name__}; "
+                        "pass e.g. model.layers")
     layers = list(layers)
     if not layers:
         raise ValueError("layers is empty: nothing to checkpoint")
-    if (not isinstance(num_segments, (int, np.integer)) or isinstance(num_segments, bool)
-            or not 1 <= num_segments <= len(layers)):
-        raise ValueError(f"num_segments must be an int from 1 to the number of layers "
-                         f"({len(layers)}), got {num_segments!r}")
-    segments = _segments(layers, int(num_segments))
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, keras.layers.Layer):
+            raise TypeError(f"layers[{i}] is {type(layer).__name__}, not a Keras layer; pass "
+                            "Keras layers, e.g. model.layers")
+    segments = _segments(layers, _int_from_1_to(num_segments, "num_segments", len(layers),
+                                                "the number of layers"))
 
     def segment_fn(segment):
         def run(x):
@@ -313,10 +311,45 @@ def checkpointed(layers, num_segments):
 HVP_METHODS = ("forward_over_reverse", "reverse_over_reverse")
 
 
+def _tf_variables(variables):
+    """The ``tf.Variable`` behind each of ``variables``, after checking there is at least one.
+    (``tf.autodiff.ForwardAccumulator`` rejects Keras 3 variables, whose dtype is a string:
+    tensorflow/tensorflow#79523.)"""
+    if isinstance(variables, (tf.Variable, keras.Variable)) or not isinstance(
+            variables, collections.abc.Iterable):
+        raise TypeError(f"variables must be a list of variables, got {type(variables).__name__}; "
+                        "pass e.g. model.trainable_variables (or [w] for one)")
+    variables = list(variables)
+    if not variables:
+        raise ValueError("variables is empty: pass the variables the loss reads, e.g. "
+                         "model.trainable_variables (an unbuilt model has none yet: call it on "
+                         "a batch first)")
+    for i, v in enumerate(variables):
+        if not isinstance(v, (tf.Variable, keras.Variable)):
+            raise TypeError(f"variables[{i}] is {type(v).__name__}, not a variable; pass "
+                            "tf.Variable or Keras variables, e.g. model.trainable_variables")
+    return [v.value if isinstance(v, keras.Variable) else v for v in variables]
+
+
+def _scalar_loss(loss_fn):
+    """``loss_fn()``, after checking it is a callable that returns one number."""
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a zero-argument callable returning a scalar loss, got "
+                        f"{loss_fn!r}; pass e.g. lambda: loss(y, model(x)) with a mean loss")
+    loss = tf.convert_to_tensor(loss_fn())
+    if loss.shape.rank != 0:
+        raise ValueError(f"loss_fn must return a scalar; it returned shape {loss.shape}: reduce "
+                         "it first (e.g. tf.reduce_mean), or build a Keras loss with its default "
+                         "mean reduction")
+    return loss
+
+
 def _check_vector(variables, vector):
-    # tf.autodiff.ForwardAccumulator rejects Keras 3 variables (their dtype is a string;
-    # tensorflow/tensorflow#79523), so work on the tf.Variable inside each one.
-    variables = [v.value if isinstance(v, keras.Variable) else v for v in variables]
+    variables = _tf_variables(variables)
+    if not isinstance(vector, collections.abc.Iterable) or isinstance(vector, (tf.Tensor,
+                                                                              np.ndarray)):
+        raise TypeError(f"vector must be a list of tensors, one per variable, got "
+                        f"{type(vector).__name__}")
     vector = list(vector)
     if len(vector) != len(variables):
         raise ValueError(f"vector has {len(vector)} parts but there are {len(variables)} "
@@ -342,7 +375,7 @@ def hvp(loss_fn, variables, vector, method="forward_over_reverse"):
 
     Args:
       loss_fn: zero-argument callable returning a scalar (it reads ``variables``).
-      variables: list of variables.
+      variables: list of variables (at least one).
       vector: list of tensors lined up with ``variables`` (same shapes).
       method: one of :data:`HVP_METHODS`.
 
@@ -350,10 +383,16 @@ def hvp(loss_fn, variables, vector, method="forward_over_reverse"):
       list of tensors lined up with ``variables``.
 
     Raises:
-      ValueError: unknown method, or ``vector`` not lined up with ``variables``.
+      ValueError: unknown method, no variables, ``vector`` not lined up with ``variables``, or
+        a loss that is not a scalar.
+      TypeError: ``loss_fn`` cannot be called, or ``variables`` is not a list of variables.
 
-    Example:
-      >>> hv = hvp(lambda: loss_fn(y, model(x)), model.trainable_variables, v)  # doctest: +SKIP
+    Example (``0.5 w^T A w`` has Hessian ``A``, so ``H [1, 0]`` is A's first column):
+      >>> w = tf.Variable([1.0, -2.0])
+      >>> a = tf.constant([[3.0, 1.0], [1.0, 2.0]])
+      >>> hv = hvp(lambda: 0.5 * tf.tensordot(w, tf.linalg.matvec(a, w), 1), [w], [[1.0, 0.0]])
+      >>> hv[0].numpy().tolist()
+      [3.0, 1.0]
     """
     if method not in HVP_METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {HVP_METHODS}")
@@ -361,12 +400,12 @@ def hvp(loss_fn, variables, vector, method="forward_over_reverse"):
     if method == "forward_over_reverse":
         with tf.autodiff.ForwardAccumulator(variables, vector) as accumulator:
             with tf.GradientTape() as tape:
-                loss = loss_fn()
+                loss = _scalar_loss(loss_fn)
             grads = tape.gradient(loss, variables, unconnected_gradients="zero")
         return [accumulator.jvp(g, unconnected_gradients="zero") for g in grads]
     with tf.GradientTape() as outer:
         with tf.GradientTape() as inner:
-            loss = loss_fn()
+            loss = _scalar_loss(loss_fn)
         grads = inner.gradient(loss, variables, unconnected_gradients="zero")
         dot = tf.add_n([tf.reduce_sum(g * u) for g, u in zip(grads, vector)])
     return outer.gradient(dot, variables, unconnected_gradients="zero")
@@ -375,11 +414,22 @@ def hvp(loss_fn, variables, vector, method="forward_over_reverse"):
 def hessian(loss_fn, variables):
     """The explicit Hessian of a scalar loss over all ``variables``, flattened and
     concatenated: a ``[P, P]`` tensor for P parameters. The slow reference for :func:`hvp`;
-    only for small models (it costs P gradient evaluations and P^2 floats)."""
-    variables = [v.value if isinstance(v, keras.Variable) else v for v in variables]
+    only for small models (it costs P gradient evaluations and P^2 floats).
+
+    Raises:
+      ValueError: no variables, or a loss that is not a scalar.
+      TypeError: ``loss_fn`` cannot be called, or ``variables`` is not a list of variables.
+
+    Example:
+      >>> w = tf.Variable([1.0, -2.0])
+      >>> a = tf.constant([[3.0, 1.0], [1.0, 2.0]])
+      >>> hessian(lambda: 0.5 * tf.tensordot(w, tf.linalg.matvec(a, w), 1), [w]).numpy().tolist()
+      [[3.0, 1.0], [1.0, 2.0]]
+    """
+    variables = _tf_variables(variables)
     with tf.GradientTape(persistent=True) as outer:
         with tf.GradientTape() as inner:
-            loss = loss_fn()
+            loss = _scalar_loss(loss_fn)
         grads = inner.gradient(loss, variables, unconnected_gradients="zero")
         flat = tf.concat([tf.reshape(g, [-1]) for g in grads], axis=0)
     rows = outer.jacobian(flat, variables, unconnected_gradients="zero")
@@ -395,13 +445,14 @@ def compare_compilation(fn, *args, repeats=7, rtol=1e-2, atol=1e-6):
 
     Args:
       fn: a function of tensors (it must be traceable by ``tf.function``).
-      repeats: timed calls of each (after two warm-up calls that trace and compile).
-      rtol, atol: tolerance of the result check: every output of a compiled version must be
-        within ``rtol`` times the largest magnitude among all eager outputs, plus ``atol``.
-        Fused kernels round differently, and backprop through many layers amplifies it:
-        measured on a 16-layer ReLU MLP, XLA's gradients differ from eager by up to 3% of a
-        small gradient's own size, and by 2e-5 of the largest value. The check is there to
-        catch real disagreements (a Python side effect baked in at tracing, a wrong
+      repeats: timed calls of each (a positive int; after two warm-up calls that trace and
+        compile).
+      rtol, atol: tolerance of the result check (real numbers >= 0): every output of a compiled
+        version must be within ``rtol`` times the largest magnitude among all eager outputs,
+        plus ``atol``. Fused kernels round differently, and backprop through many layers
+        amplifies it: measured on a 16-layer ReLU MLP, XLA's gradients differ from eager by up
+        to 3% of a small gradient's own size, and by 2e-5 of the largest value. The check is
+        there to catch real disagreements (a Python side effect baked in at tracing, a wrong
         shape), not rounding.
 
     Returns:
@@ -410,11 +461,23 @@ def compare_compilation(fn, *args, repeats=7, rtol=1e-2, atol=1e-6):
 
     Raises:
       AssertionError: the compiled versions disagree with eager beyond the tolerance.
+      TypeError: ``fn`` cannot be called.
+      ValueError: ``repeats`` is not a positive int, or a tolerance is not a real number >= 0.
 
     Example:
-      >>> compare_compilation(step, x, y)["xla"]["ratio"]  # doctest: +SKIP
+      >>> result = compare_compilation(lambda x: tf.reduce_sum(tf.tanh(x) ** 2), tf.ones((8, 8)),
+      ...                              repeats=1)
+      >>> sorted(result), result["eager"]["ratio"]
+      (['eager', 'tf.function', 'xla'], 1.0)
+      >>> result["xla"]["ratio"]  # doctest: +SKIP
       0.31
     """
+    if not callable(fn):
+        raise TypeError(f"fn must be a callable of tensors, got {fn!r}")
+    repeats = check_int(repeats, "repeats")
+    for value, name in ((rtol, "rtol"), (atol, "atol")):
+        if check_real(value, name) < 0:
+            raise ValueError(f"{name} must be >= 0, got {value!r}")
     versions = {"eager": fn, "tf.function": tf.function(fn),
                 "xla": tf.function(fn, jit_compile=True)}
     expected = [np.asarray(t) for t in tf.nest.flatten(fn(*args))]
@@ -436,11 +499,19 @@ def compare_compilation(fn, *args, repeats=7, rtol=1e-2, atol=1e-6):
 def large_intermediate_ms(size=2048, repeats=9):
     """Median ms of a compiled step that creates ``size x size`` float32 intermediates, and
     whether this process's allocator keeps statistics. Meant to run in a fresh process (via
-    ``gradtut.benchmark.run_in_subprocess``) with ``TF_CPU_ALLOCATOR_USE_BFC`` set either way,
+    ``gradtut.session.run_in_subprocess``) with ``TF_CPU_ALLOCATOR_USE_BFC`` set either way,
     since the allocator is chosen when TensorFlow starts.
+
+    Raises:
+      ValueError: ``size`` or ``repeats`` is not a positive int.
+
+    Example:
+      >>> sorted(large_intermediate_ms(size=16, repeats=1))
+      ['allocator_stats', 'median_ms']
     """
     import time
 
+    size, repeats = check_int(size, "size"), check_int(repeats, "repeats")
     x = tf.random.stateless_normal((size, size), seed=(1, 2))
 
     @tf.function
@@ -453,13 +524,13 @@ def large_intermediate_ms(size=2048, repeats=9):
         start = time.perf_counter()
         step(x).numpy()
         times.append(time.perf_counter() - start)
-    return {"median_ms": 1e3 * float(np.median(times)), "allocator_stats": _allocator_has_stats()}
+    return {"median_ms": 1e3 * float(np.median(times)), "allocator_stats": allocator_has_stats()}
 
 
 def allocator_workloads(size=2048, batch_size=256, repeats=7):
     """Both allocator workloads of notebook 05, section 9, timed in this process: the compiled
     step of :func:`large_intermediate_ms`, and per-example gradients materialised with
-    ``method="outer"`` on the 784-256-10 MLP of ``gradtut.bench_per_example`` (a fresh
+    ``method="outer"`` on the 784-256-10 MLP of ``gradtut.bench.per_example`` (a fresh
     ``[batch_size, 203,530]`` float32 result every call), as a ratio to that MLP's batch
     gradient measured in the same rounds. Meant for ``run_in_subprocess`` with
     ``TF_CPU_ALLOCATOR_USE_BFC`` and ``TF_ENABLE_ONEDNN_OPTS`` set either way.
@@ -467,9 +538,14 @@ def allocator_workloads(size=2048, batch_size=256, repeats=7):
     Returns:
       dict with ``"large_intermediate_ms"``, ``"outer_ms"``, ``"outer_ratio"`` and
       ``"allocator_stats"``.
-    """
-    from gradtut.bench_per_example import benchmark_per_example  # pylint: disable=import-outside-toplevel
 
+    Raises:
+      ValueError: ``size``, ``batch_size`` or ``repeats`` is not a positive int.
+    """
+    from gradtut.bench.per_example import benchmark_per_example  # pylint: disable=import-outside-toplevel
+
+    size, repeats = check_int(size, "size"), check_int(repeats, "repeats")
+    batch_size = check_int(batch_size, "batch_size")
     large = large_intermediate_ms(size, repeats)
     rows = benchmark_per_example([batch_size], ["outer"], repeats=repeats)
     outer = next(r for r in rows if r["method"] == "outer")

@@ -41,8 +41,18 @@ _VERSION = [0]  # bumped on every registration, so callers can drop functions tr
 
 
 def registry_version():
-    """A number that changes whenever a rule is registered."""
+    """A number that changes whenever a rule is registered.
+
+    Example:
+      >>> isinstance(registry_version(), int)
+      True
+    """
     return _VERSION[0]
+
+
+def _check_layer(layer, what, kind="layer"):
+    if not isinstance(layer, keras.layers.Layer):
+        raise TypeError(f"{what} needs a Keras {kind}, got {type(layer).__name__} {layer!r:.80}")
 
 
 def register_rule(layer_class):
@@ -50,9 +60,31 @@ def register_rule(layer_class):
 
     Registering again for the same class replaces the earlier rule.
 
+    Raises:
+      TypeError: ``layer_class`` is not a Keras layer class; the decorated class is not a
+        :class:`LayerRule` subclass, or is a rule written for another layer type (its
+        ``layer_class``).
+
     Example:
-      >>> @register_rule(keras.layers.Dense)  # doctest: +SKIP
-      ... class MyDenseRule(LayerRule): ...
+      >>> class Scale(keras.layers.Layer):  # y = x * w, one weight per feature
+      ...     def build(self, input_shape):
+      ...         self.w = self.add_weight(shape=(input_shape[-1],), initializer="ones")
+      ...     def call(self, x):
+      ...         return x * self.w
+      >>> @register_rule(Scale)
+      ... class ScaleRule(LayerRule):
+      ...     name = "scale"
+      ...     def variables(self, layer):
+      ...         return [layer.w]
+      ...     def forward(self, layer, x):
+      ...         z = x * layer.w
+      ...         return z, x, z
+      ...     def per_example(self, layer, a, g):
+      ...         return [tf.reduce_sum(a * g, axis=list(range(1, a.shape.rank - 1)))]
+      >>> layer = Scale()
+      >>> layer.build((None, 3))
+      >>> rule_for(layer).name
+      'scale'
     """
     if not (isinstance(layer_class, type) and issubclass(layer_class, keras.layers.Layer)):
         raise TypeError(f"register_rule needs a Keras layer class, got {layer_class!r}")
@@ -60,6 +92,11 @@ def register_rule(layer_class):
     def register(rule_class):
         if not (isinstance(rule_class, type) and issubclass(rule_class, LayerRule)):
             raise TypeError(f"@register_rule decorates a LayerRule subclass, got {rule_class!r}")
+        if not issubclass(layer_class, rule_class.layer_class):
+            raise TypeError(
+                f"{rule_class.__name__} is written for {rule_class.layer_class.__name__} layers, "
+                f"and {layer_class.__name__} is not one; subclass LayerRule for "
+                f"{layer_class.__name__} instead")
         _RULES[layer_class] = rule_class()
         _VERSION[0] += 1
         return rule_class
@@ -68,7 +105,18 @@ def register_rule(layer_class):
 
 
 def rule_for(layer):
-    """The rule that covers ``layer``'s variables, or None (no rule, frozen, or refused)."""
+    """The rule that covers ``layer``'s variables, or None (no rule, frozen, or refused).
+
+    Raises:
+      TypeError: ``layer`` is not a Keras layer.
+
+    Example:
+      >>> dense = keras.layers.Dense(3)
+      >>> dense.build((None, 4))
+      >>> rule_for(dense).name, rule_for(keras.layers.Flatten())
+      ('dense', None)
+    """
+    _check_layer(layer, "rule_for")
     rule = _RULES.get(type(layer))
     if rule is None or not layer.trainable or not layer.trainable_variables:
         return None
@@ -78,7 +126,16 @@ def rule_for(layer):
 
 
 def explain(layer):
-    """``(rule name or "vectorized fallback", why)`` for a layer that owns trainable variables."""
+    """``(rule name or "vectorized fallback", why)`` for a layer that owns trainable variables.
+
+    Raises:
+      TypeError: ``layer`` is not a Keras layer.
+
+    Example:
+      >>> explain(keras.layers.PReLU())
+      ('vectorized fallback', 'no rule registered for PReLU')
+    """
+    _check_layer(layer, "explain")
     rule = _RULES.get(type(layer))
     if rule is None:
         return "vectorized fallback", f"no rule registered for {type(layer).__name__}"
@@ -92,12 +149,29 @@ class LayerRule:
     """How one layer type's per-example gradients follow from ``(a, g)``; subclass and register.
 
     ``a`` and ``g`` arrive with the batch first, ``g`` cast to the variables' dtype.
+    ``layer_class`` is the layer type the rule is written for: :func:`register_rule` refuses to
+    register it for another, and :meth:`unsupported` refuses other layers.
+
+    Raises:
+      NotImplementedError: a required method (:meth:`variables`, :meth:`forward`,
+        :meth:`per_example`) is not implemented by the subclass.
+      TypeError: :meth:`unsupported` is given something that is not a ``layer_class`` layer.
+
+    Example:
+      >>> LayerRule().unsupported(keras.layers.Dense(3)) is None  # no LoRA, not quantized
+      True
     """
 
     name = "custom"
+    layer_class = keras.layers.Layer
 
     def unsupported(self, layer):
         """None if the rule applies to this layer's configuration, else the reason it does not."""
+        _check_layer(layer, f"{type(self).__name__}.unsupported")
+        if not isinstance(layer, self.layer_class):
+            raise TypeError(
+                f"{type(self).__name__} is the rule for {self.layer_class.__name__} layers, got "
+                f"{type(layer).__name__} {layer.name!r}; rule_for(layer) finds a layer's rule")
         if getattr(layer, "lora_enabled", False):
             return "LoRA is enabled"
         if getattr(layer, "quantization_mode", None):
@@ -106,15 +180,19 @@ class LayerRule:
 
     def variables(self, layer):
         """The variables the rule computes gradients for, in the order ``per_example`` returns."""
-        raise NotImplementedError
+        raise NotImplementedError(self._missing("variables(layer)"))
 
     def forward(self, layer, inputs):
         """``(output, a, z)``: the layer's output computed from ``z``, and what to record."""
-        raise NotImplementedError
+        raise NotImplementedError(self._missing("forward(layer, inputs)"))
 
     def per_example(self, layer, a, g):
         """List aligned with :meth:`variables`: ``[B, *variable.shape]`` each."""
-        raise NotImplementedError
+        raise NotImplementedError(self._missing("per_example(layer, a, g)"))
+
+    def _missing(self, method):
+        return (f"{type(self).__name__} must implement {method}: a LayerRule subclass defines "
+                "variables, forward and per_example (see the module docstring's example)")
 
     def sq_norms(self, layer, a, g):
         """``[B]`` squared norms over :meth:`variables` without materialising, or None."""
@@ -175,6 +253,7 @@ class DenseRule(LayerRule):
     """``z = a @ kernel + bias`` on inputs of any rank ``[B, ..., d]``."""
 
     name = "dense"
+    layer_class = keras.layers.Dense
 
     def variables(self, layer):
         return [layer.kernel] + ([layer.bias] if layer.bias is not None else [])
@@ -239,6 +318,7 @@ class EinsumDenseRule(LayerRule):
     """``z = einsum(equation, a, kernel) + bias``; the attention projections are EinsumDense."""
 
     name = "einsum_dense"
+    layer_class = keras.layers.EinsumDense
 
     def unsupported(self, layer):
         reason = super().unsupported(layer)
@@ -281,6 +361,7 @@ class EmbeddingRule(LayerRule):
     """``z = table[ids]``: each example's gradient is a scatter-add of ``g`` into its rows."""
 
     name = "embedding"
+    layer_class = keras.layers.Embedding
 
     def variables(self, layer):
         return [layer.embeddings]
@@ -469,7 +550,7 @@ for _layer_class, _rule_class, _name in (
         (keras.layers.DepthwiseConv1D, _DepthwiseRule, "depthwise_conv1d"),
         (keras.layers.DepthwiseConv2D, _DepthwiseRule, "depthwise_conv2d")):
     register_rule(_layer_class)(type(f"{_layer_class.__name__}Rule", (_rule_class,),
-                                     {"name": _name}))
+                                     {"name": _name, "layer_class": _layer_class}))
 
 
 class _AffineNormRule(LayerRule):
@@ -523,6 +604,7 @@ class _AffineNormRule(LayerRule):
 @register_rule(keras.layers.LayerNormalization)
 class LayerNormalizationRule(_AffineNormRule):
     name = "layer_normalization"
+    layer_class = keras.layers.LayerNormalization
 
     def unsupported(self, layer):
         if getattr(layer, "rms_scaling", False):
@@ -539,6 +621,7 @@ class LayerNormalizationRule(_AffineNormRule):
 @register_rule(keras.layers.GroupNormalization)
 class GroupNormalizationRule(_AffineNormRule):
     name = "group_normalization"
+    layer_class = keras.layers.GroupNormalization
 
     def params(self, layer):
         return getattr(layer, "gamma", None), getattr(layer, "beta", None)
@@ -563,14 +646,16 @@ if hasattr(keras.layers, "RMSNormalization"):
     @register_rule(keras.layers.RMSNormalization)
     class RMSNormalizationRule(_AffineNormRule):
         name = "rms_normalization"
+        layer_class = keras.layers.RMSNormalization
 
         def unsupported(self, layer):
+            reason = super().unsupported(layer)  # first: it checks the layer's type
             # Keras multiplies by `scale` with trailing broadcasting, whatever the axis.
             axis = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
             if sorted(a if a < 0 else a - 10**6 for a in axis) != list(range(-len(axis), 0)):
                 return (f"axis={layer.axis}: the rule covers the trailing axes given as "
                         "negative numbers (-1, -2, ...)")
-            return super().unsupported(layer)
+            return reason
 
         def params(self, layer):
             return layer.scale, None
@@ -585,7 +670,30 @@ if hasattr(keras.layers, "RMSNormalization"):
 @contextlib.contextmanager
 def recording(layers, calls):
     """Route each ``(layer, rule)``'s ``call`` through ``rule.forward``, appending
-    ``(layer, rule, a, z)`` to ``calls`` on every call; restore the layers afterwards."""
+    ``(layer, rule, a, z)`` to ``calls`` on every call; restore the layers afterwards.
+
+    Raises:
+      TypeError: ``layers`` is not a list of ``(layer, rule)`` pairs (as
+        :func:`covered_layers` returns), or ``calls`` is not a list.
+
+    Example:
+      >>> dense = keras.layers.Dense(2)
+      >>> dense.build((None, 3))
+      >>> calls = []
+      >>> with recording([(dense, rule_for(dense))], calls):
+      ...     _ = dense(tf.ones([4, 3]))
+      >>> [(layer.name == dense.name, tuple(a.shape), tuple(z.shape)) for layer, _, a, z in calls]
+      [(True, (4, 3), (4, 2))]
+    """
+    layers = list(layers) if isinstance(layers, (list, tuple)) else layers
+    if not isinstance(layers, list) or not all(
+            isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], keras.layers.Layer)
+            and isinstance(pair[1], LayerRule) for pair in layers):
+        raise TypeError(f"recording takes a list of (layer, rule) pairs, as covered_layers(model) "
+                        f"returns; got {layers!r:.120}")
+    if not isinstance(calls, list):
+        raise TypeError(f"calls must be a list to append the recorded calls to, got "
+                        f"{type(calls).__name__}")
     patched = []
 
     def recorder(layer, rule):
@@ -607,7 +715,18 @@ def recording(layers, calls):
 
 
 def covered_layers(model):
-    """``[(layer, rule)]`` for every layer of ``model`` that a rule covers."""
+    """``[(layer, rule)]`` for every layer of ``model`` that a rule covers.
+
+    Raises:
+      TypeError: ``model`` is not a Keras model (or layer).
+
+    Example:
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4),
+      ...                           keras.layers.PReLU(), keras.layers.Dense(2)])
+      >>> [rule.name for _, rule in covered_layers(model)]
+      ['dense', 'dense']
+    """
+    _check_layer(model, "covered_layers", "model")
     return [(layer, rule) for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
             if (rule := rule_for(layer)) is not None]
 
@@ -622,11 +741,26 @@ def one_pass(model, per_example_losses):
       dtype; calls whose output does not reach the loss are dropped (they add nothing).
 
     Raises:
-      ValueError: a covered layer was called but none of its calls reaches the loss.
+      TypeError: ``model`` is not a Keras model, or ``per_example_losses`` is not callable.
+      ValueError: a covered layer was called but none of its calls reaches the loss;
+        ``per_example_losses()`` did not return a ``[B]`` tensor.
+
+    Example:
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+      >>> layers, losses = one_pass(model, lambda: tf.reduce_sum(model(tf.ones([4, 3])), 1))
+      >>> [(rule.name, len(pairs)) for _, rule, pairs in layers], tuple(losses.shape)
+      ([('dense', 1)], (4,))
     """
+    _check_layer(model, "one_pass", "model")
+    if not callable(per_example_losses):
+        raise TypeError(f"per_example_losses must be a function () -> [B] losses, got "
+                        f"{type(per_example_losses).__name__}")
     calls = []
     with recording(covered_layers(model), calls), tf.GradientTape() as tape:
         losses = per_example_losses()
+        if losses.shape.rank != 1:
+            raise ValueError(f"per_example_losses() must return one loss per example, shape "
+                             f"[B]; it returned shape {losses.shape}")
         total = tf.reduce_sum(losses)
     grads = tape.gradient(total, [z for _, _, _, z in calls])
     by_layer = {}
@@ -650,8 +784,32 @@ def _cast_floating(a, dtype):
     return tf.cast(a, dtype) if isinstance(a, tf.Tensor) and a.dtype.is_floating else a
 
 
+def _check_pairs(layer, rule, pairs, what):
+    """The arguments of the per-layer functions below: as :func:`one_pass` returns them."""
+    _check_layer(layer, what)
+    if not isinstance(rule, LayerRule):
+        raise TypeError(f"{what} needs the layer's LayerRule (rule_for(layer)), got "
+                        f"{type(rule).__name__}")
+    if not isinstance(pairs, (list, tuple)) or not pairs or not all(
+            isinstance(pair, (tuple, list)) and len(pair) == 2 for pair in pairs):
+        raise ValueError(f"{what} needs a non-empty list of (a, g) pairs, one per call of the "
+                         f"layer, as one_pass returns them; got {pairs!r:.120}")
+
+
 def per_example_of(layer, rule, pairs):
-    """``{id(variable): [B, *shape]}`` for one layer, summed over its calls."""
+    """``{id(variable): [B, *shape]}`` for one layer, summed over its calls.
+
+    Raises:
+      TypeError, ValueError: arguments that are not ``(layer, rule, pairs)`` as
+        :func:`one_pass` returns them (an empty ``pairs``, a rule that is not a LayerRule).
+
+    Example:
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+      >>> layers, _ = one_pass(model, lambda: tf.reduce_sum(model(tf.ones([4, 3])), 1))
+      >>> [tuple(t.shape) for t in per_example_of(*layers[0]).values()]
+      [(4, 3, 2), (4, 2)]
+    """
+    _check_pairs(layer, rule, pairs, "per_example_of")
     total = None
     for a, g in pairs:
         grads = rule.per_example(layer, a, g)
@@ -661,7 +819,19 @@ def per_example_of(layer, rule, pairs):
 
 def sq_norms_of(layer, rule, pairs, trainable_ids):
     """``[B]`` squared norm of one layer's per-example gradient over its trainable variables:
-    the rule's ghost form where it has one and it is cheaper, else materialised."""
+    the rule's ghost form where it has one and it is cheaper, else materialised.
+
+    Raises:
+      TypeError, ValueError: as :func:`per_example_of`.
+
+    Example:
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+      >>> layers, _ = one_pass(model, lambda: tf.reduce_sum(model(tf.ones([4, 3])), 1))
+      >>> trainable = {id(v) for v in model.trainable_variables}
+      >>> sq_norms_of(*layers[0], trainable).numpy().tolist()  # (3 + 1) inputs x 2 outputs
+      [8.0, 8.0, 8.0, 8.0]
+    """
+    _check_pairs(layer, rule, pairs, "sq_norms_of")
     variables = rule.variables(layer)
     if len(pairs) == 1 and all(id(v) in trainable_ids for v in variables):
         sq = rule.sq_norms(layer, *pairs[0])
@@ -672,7 +842,22 @@ def sq_norms_of(layer, rule, pairs, trainable_ids):
 
 
 def weighted_sum_of(layer, rule, pairs, weights):
-    """``{id(variable): sum_b weights[b] * grad_b}`` for one layer, summed over its calls."""
+    """``{id(variable): sum_b weights[b] * grad_b}`` for one layer, summed over its calls.
+
+    Raises:
+      TypeError, ValueError: as :func:`per_example_of`, and ``weights`` not a ``[B]`` vector.
+
+    Example:
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+      >>> layers, _ = one_pass(model, lambda: tf.reduce_sum(model(tf.ones([4, 3])), 1))
+      >>> sums = weighted_sum_of(*layers[0], tf.constant([1.0, 0.5, 0.5, 0.0]))
+      >>> [t.numpy().tolist() for t in sums.values()][1]  # the bias: sum of the weights
+      [2.0, 2.0]
+    """
+    _check_pairs(layer, rule, pairs, "weighted_sum_of")
+    if tf.convert_to_tensor(weights).shape.rank != 1:
+        raise ValueError(f"weights must be a [B] vector, one weight per example; got shape "
+                         f"{tf.convert_to_tensor(weights).shape}")
     dtype = rule.variables(layer)[0].dtype
     total = None
     for a, g in pairs:
@@ -682,5 +867,17 @@ def weighted_sum_of(layer, rule, pairs, weights):
 
 
 def squared_norms(per_example):
-    """``[B, ...] -> [B]``: squared L2 norm of each example's slice."""
+    """``[B, ...] -> [B]``: squared L2 norm of each example's slice.
+
+    Raises:
+      ValueError: ``per_example`` is a scalar (no batch axis).
+
+    Example:
+      >>> squared_norms(tf.constant([[3.0, 4.0], [1.0, 0.0]])).numpy().tolist()
+      [25.0, 1.0]
+    """
+    per_example = tf.convert_to_tensor(per_example)
+    if per_example.shape.rank == 0:
+        raise ValueError("squared_norms needs per-example values [B, ...] with the batch first; "
+                         "got a scalar")
     return tf.reduce_sum(tf.square(per_example), axis=list(range(1, per_example.shape.rank)))

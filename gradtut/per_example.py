@@ -35,6 +35,7 @@ import keras
 import tensorflow as tf
 
 from gradtut import layer_rules
+from gradtut.checks import check_real, check_seed
 
 METHODS = ("loop", "map_fn", "vectorized", "jacobian", "outer")
 NORM_METHODS = ("ghost",) + METHODS
@@ -47,12 +48,19 @@ _cache = weakref.WeakKeyDictionary()  # model -> {key: tf.function}
 
 
 def _batch_size(nest, what):
-    sizes = {int(t.shape[0]) if t.shape.rank else None for t in tf.nest.flatten(nest)}
-    if None in sizes:
-        raise ValueError(f"{what} must have a leading batch dimension; got a scalar")
-    if len(sizes) != 1:
-        raise ValueError(f"the tensors in {what} have different batch sizes {sorted(sizes)}")
-    return sizes.pop()
+    """The common leading dimension of the tensors in ``nest``: an int, or None when every
+    tensor is traced with an unknown batch size (a ``tf.function`` with ``None`` batch)."""
+    shapes = [t.shape for t in tf.nest.flatten(nest)]
+    if not shapes:
+        raise ValueError(f"{what} holds no tensors; pass a batch [B, ...] (or a nest of them)")
+    if any(shape.rank == 0 for shape in shapes):
+        raise ValueError(f"{what} must have a leading batch dimension; got a scalar (a Python "
+                         "list is a nest of separate tensors: pass np.asarray(...) for a batch)")
+    sizes = {shape[0] if shape.rank is not None else None for shape in shapes}
+    known = sizes - {None}
+    if len(known) > 1:
+        raise ValueError(f"the tensors in {what} have different batch sizes {sorted(known)}")
+    return known.pop() if known else None
 
 
 def _to_tensors(nest):
@@ -81,25 +89,122 @@ def _grouped_convolutions(model):
             and layer.trainable and layer.trainable_variables]
 
 
+def _check_present(value, name):
+    """Refuse None for ``x`` or ``y`` (or inside their nests), naming the fix."""
+    what = ("the inputs [B, ...]" if name == "x" else "one target per example, [B, ...] "
+            "like x (for a loss that needs no targets, pass a placeholder such as np.zeros(B) "
+            "and ignore it in loss_fn)")
+    if value is None:
+        raise ValueError(f"{name} is None; pass {what}")
+    where = [i for i, t in enumerate(tf.nest.flatten(value)) if t is None]
+    if where:
+        raise ValueError(f"{name} holds None (entries {where} of its flattened nest); pass {what}")
+
+
+def _check_model_type(model, name="model"):
+    """Refuse anything that is not a Keras layer or model, with the fix for what it is."""
+    if isinstance(model, keras.layers.Layer):
+        return
+    if isinstance(model, (list, tuple)) and model and all(
+            isinstance(layer, keras.layers.Layer) for layer in model):
+        fix = "wrap the layers in a model: keras.Sequential(layers)"
+    elif callable(model):
+        fix = ("a plain function has no trainable variables to differentiate: put the "
+               "computation in a keras.layers.Layer or keras.Model")
+    else:
+        fix = "pass a built Keras model, e.g. keras.Sequential([keras.Input(...), ...])"
+    raise TypeError(f"{name} must be a Keras model (keras.Model, or any keras.layers.Layer), got "
+                    f"{type(model).__name__}; {fix}")
+
+
+def _loss_class_for(name):
+    """The Keras loss class named by ``name`` (``"mse"`` -> ``"MeanSquaredError"``), or None."""
+    try:
+        found = keras.losses.get(name)
+    except (ValueError, TypeError):
+        return None
+    base = getattr(found, "__name__", None) or type(found).__name__
+    cls = "".join(part[:1].upper() + part[1:] for part in base.split("_"))
+    return cls if isinstance(getattr(keras.losses, cls, None), type) else None
+
+
+def _check_loss(loss_fn, name="loss_fn"):
+    """Refuse a loss given by name or anything that cannot be called, naming the loss object
+    to pass instead. (A Keras loss that reduces over the batch is refused by check_model.)"""
+    if isinstance(loss_fn, str):
+        cls = _loss_class_for(loss_fn)
+        suggestion = (f"keras.losses.{cls}(reduction=None)" if cls else
+                      "a keras.losses.Loss object with reduction=None")
+        if cls is None or "Crossentropy" in cls:
+            suggestion += " (with from_logits=True if the model outputs logits)"
+        raise ValueError(
+            f"{name} is the string {loss_fn!r}, but per-example gradients need a loss object that "
+            f"returns one loss per example: pass {suggestion}, or a function "
+            "loss_fn(y_true, y_pred) -> [B].")
+    if not callable(loss_fn):
+        raise TypeError(
+            f"{name} must be a callable loss_fn(y_true, y_pred) returning [B] per-example "
+            f"losses, got {loss_fn!r} ({type(loss_fn).__name__}); pass e.g. "
+            "keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)")
+
+
 def _check_call(model, loss_fn, x, y, training, method, methods):
-    """Validate arguments and return ``(x, y, batch_size)`` as tensors."""
+    """Validate arguments and return ``(x, y, batch_size)`` as tensors. ``batch_size`` is None
+    when traced with an unknown batch size; the batch checks then run with the graph."""
     if method not in methods:
         raise ValueError(f"unknown method {method!r}; choose one of {methods}")
+    check_model(model, loss_fn, training, method)
+    _check_present(x, "x")
+    _check_present(y, "y")
     x, y = _to_tensors(x), _to_tensors(y)
     bx, by = _batch_size(x, "x"), _batch_size(y, "y")
-    if bx != by:
+    if None not in (bx, by) and bx != by:
         raise ValueError(f"x has {bx} examples but y has {by}; they must match")
-    if bx == 0:
+    if bx == 0 or by == 0:
         raise ValueError("the batch is empty (0 examples); per-example gradients need at least one")
-    check_model(model, loss_fn, training, method)
-    return x, y, bx
+    if None in (bx, by):
+        _assert_batch_at_run_time(x, y)
+    if bx is None and method == "loop":
+        raise ValueError(
+            "method='loop' runs a Python loop over the examples, so it needs the batch size "
+            "while tracing, but x has an unknown batch size (a tf.function traced with None "
+            "batch). Give the tf.function an input_signature with a fixed batch size, e.g. "
+            "tf.TensorSpec([32, ...]), call it eagerly, or use method='map_fn' (the same loop "
+            "inside the graph).")
+    return x, y, bx if bx is not None else by
+
+
+def _assert_batch_at_run_time(x, y):
+    """For a batch size unknown while tracing: x and y must agree and not be empty."""
+    bx, by = tf.shape(tf.nest.flatten(x)[0])[0], tf.shape(tf.nest.flatten(y)[0])[0]
+    tf.debugging.assert_equal(bx, by, message="x and y have different numbers of examples; "
+                                              "they must match")
+    tf.debugging.assert_positive(bx, message="the batch is empty (0 examples); per-example "
+                                             "gradients need at least one")
 
 
 def check_model(model, loss_fn, training, method):
-    """Raise ValueError, naming the fix, for a loss or model that ``method`` would get wrong:
+    """Raise ValueError (TypeError for a model or loss of the wrong kind), naming the fix, for a
+    loss or model that ``method`` would get wrong:
     a loss that reduces over the batch, grouped convolutions under pfor, BatchNormalization or
     random layers in training mode where they break per-example gradients. Shape checks
-    need the batch and live in the callers."""
+    need the batch and live in the callers.
+
+    Raises:
+      TypeError: ``model`` is not a Keras model or layer (a plain function, a list of
+        layers), or ``loss_fn`` cannot be called.
+      ValueError: ``loss_fn`` is a string (such as ``"sparse_categorical_crossentropy"``: pass
+        the loss object with ``reduction=None``), or as described above.
+
+    Example:
+      >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+      >>> check_model(model, "mse", training=False, method="outer")
+      Traceback (most recent call last):
+      ...
+      ValueError: loss_fn is the string 'mse', but per-example gradients need a loss object that returns one loss per example: pass keras.losses.MeanSquaredError(reduction=None), or a function loss_fn(y_true, y_pred) -> [B].
+    """
+    _check_model_type(model)
+    _check_loss(loss_fn)
     if not model.trainable_variables:
         raise ValueError("the model has no trainable variables (is it built? call it once on a batch)")
     reduction = getattr(loss_fn, "reduction", None)
@@ -207,9 +312,26 @@ def broadcast_matmul_hazards(graph):
     sequences). Flagged: a batch matmul whose output has two or more batch axes, one of them
     of size 1 (or unknown), where one operand broadcasts over the other's batch axes.
 
+    Args:
+      graph: a ``tf.Graph``, such as ``fn.get_concrete_function(...).graph`` of a
+        ``tf.function``; the functions it calls are searched too.
+
     Returns:
       list of ``"op name: shape @ shape"`` strings; empty when oneDNN is off.
+
+    Raises:
+      TypeError: ``graph`` is not a ``tf.Graph``.
+
+    Example:
+      >>> fn = tf.function(lambda a: tf.linalg.matmul(a, tf.ones([8, 8])))
+      >>> graph = fn.get_concrete_function(tf.TensorSpec([8, 1, 4, 8])).graph
+      >>> len(broadcast_matmul_hazards(graph)) == _onednn_enabled()  # flagged only with oneDNN
+      True
     """
+    if not isinstance(graph, tf.Graph):
+        fix = (" (a tf.function: pass fn.get_concrete_function(*args).graph)"
+               if hasattr(graph, "get_concrete_function") else "")
+        raise TypeError(f"graph must be a tf.Graph, got {type(graph).__name__}{fix}")
     if not _onednn_enabled():
         return []
     found, seen = [], set()
@@ -418,13 +540,20 @@ def per_example_gradients(model, loss_fn, x, y, method="vectorized", *, training
         BatchNormalization in training mode; random layers (Dropout) in training mode under a
         method that would share one mask across the batch; grouped convolutions under
         ``"vectorized"`` or ``"jacobian"``; a graph that hits TensorFlow's oneDNN matmul bug
-        (:func:`broadcast_matmul_hazards`). Each message names the layer and the fix.
+        (:func:`broadcast_matmul_hazards`). Each message names the layer and the fix. Also
+        ``x`` or ``y`` None; a loss given by name (``"sparse_categorical_crossentropy"``: pass
+        the loss object with ``reduction=None``); ``method="loop"`` inside a ``tf.function``
+        traced with an unknown batch size (the other methods work there).
+      TypeError: ``model`` is not a Keras model (a plain function, a list of layers), or
+        ``loss_fn`` cannot be called.
 
     Example:
+      >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
       >>> loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-      >>> grads = per_example_gradients(model, loss, x, y, method="outer")  # doctest: +SKIP
-      >>> [g.shape for g in grads]  # doctest: +SKIP
-      [TensorShape([32, 64, 10]), TensorShape([32, 10])]
+      >>> x, y = tf.ones([5, 4]), tf.constant([0, 1, 2, 0, 1])
+      >>> grads = per_example_gradients(model, loss, x, y, method="outer")
+      >>> [g.shape for g in grads]
+      [TensorShape([5, 4, 3]), TensorShape([5, 3])]
     """
     x, y, _ = _check_call(model, loss_fn, x, y, training, method, METHODS)
     return _IMPLEMENTATIONS[method](model, loss_fn, x, y, training, model.trainable_variables)
@@ -476,9 +605,11 @@ def per_example_gradient_norms(model, loss_fn, x, y, method="ghost", *, training
       ValueError: as :func:`per_example_gradients`.
 
     Example:
-      >>> norms = per_example_gradient_norms(model, loss, x, y)  # doctest: +SKIP
-      >>> norms.shape  # doctest: +SKIP
-      TensorShape([32])
+      >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, use_bias=False)])
+      >>> loss = lambda y, p: tf.reduce_sum(p, axis=1)  # per-example gradients: the rows of x
+      >>> x, y = tf.constant([[3.0, 4.0], [0.3, 0.4]]), tf.zeros([2])
+      >>> [round(float(n), 4) for n in per_example_gradient_norms(model, loss, x, y)]
+      [5.0, 0.5]
     """
     x, y, _ = _check_call(model, loss_fn, x, y, training, method, NORM_METHODS)
     if method != "ghost":  # arguments are checked: go straight to the implementation
@@ -492,7 +623,7 @@ def per_example_gradient_norms(model, loss_fn, x, y, method="ghost", *, training
     return _cached(model, ("ghost", loss_fn, training), build)(x, y)
 
 
-def clipped_sum_fn(model, loss_fn, training=False, with_outputs=False):
+def make_clipped_sum(model, loss_fn, training=False, with_outputs=False):
     """``f(x, y, clip) -> sum_b g_b * min(1, clip / ||g_b||)``: the sum of per-example gradients
     clipped to norm ``clip``, one tensor per trainable variable (in its dtype), for use inside a
     ``tf.function``. Built from ghost norms and one reweighted sum per layer, so layers with a
@@ -502,8 +633,21 @@ def clipped_sum_fn(model, loss_fn, training=False, with_outputs=False):
     ``[B]`` per-example losses and the model's outputs from the same forward pass (a training
     step reports them without a second forward pass).
 
-    Arguments are not checked here: :func:`clipped_gradient` and ``gradtut.privacy`` check them.
+    The model and loss are checked here (:func:`check_model`); ``x``, ``y`` and ``clip`` are
+    not: :func:`clipped_gradient` and ``gradtut.privacy`` check them.
+
+    Raises:
+      TypeError, ValueError: as :func:`check_model`.
+
+    Example:
+      >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, use_bias=False)])
+      >>> clipped_sum = make_clipped_sum(model, lambda y, p: tf.reduce_sum(p, axis=1))
+      >>> x = tf.constant([[3.0, 4.0], [0.3, 0.4]])  # per-example gradients x_b: norms 5, 0.5
+      >>> (kernel,) = clipped_sum(x, tf.zeros([2]), 1.0)  # the first is scaled by 1/5
+      >>> [round(float(v), 4) for v in tf.reshape(kernel, [-1])]
+      [0.9, 1.2]
     """
+    check_model(model, loss_fn, training, "ghost")
     outputs = {}
 
     def recording_loss(y_true, y_pred):  # the one-pass forward calls it first: keep that call's
@@ -550,28 +694,34 @@ def clipped_gradient(model, loss_fn, x, y, l2_norm_clip, noise_multiplier=0.0, s
       dtype.
 
     Raises:
-      ValueError: ``l2_norm_clip <= 0`` or ``noise_multiplier < 0``, and as
+      ValueError: ``l2_norm_clip`` not a positive number (None, a string, an array) or
+        ``noise_multiplier`` not a number ``>= 0``; ``seed`` not None or an int ``>= 0``; and as
         :func:`per_example_gradients`.
 
     Example:
-      >>> grads = clipped_gradient(model, loss, x, y, l2_norm_clip=1.0,
-      ...                          noise_multiplier=1.1, seed=0)  # doctest: +SKIP
-      >>> optimizer.apply(grads, model.trainable_variables)  # doctest: +SKIP
+      >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, use_bias=False)])
+      >>> loss = lambda y, p: tf.reduce_sum(p, axis=1)  # per-example gradients: the rows of x
+      >>> x, y = tf.constant([[3.0, 4.0], [0.3, 0.4]]), tf.zeros([2])
+      >>> (kernel,) = clipped_gradient(model, loss, x, y, l2_norm_clip=1.0)
+      >>> [round(float(v), 4) for v in tf.reshape(kernel, [-1])]  # mean of [.6, .8], [.3, .4]
+      [0.45, 0.6]
+      >>> noisy = clipped_gradient(model, loss, x, y, 1.0, noise_multiplier=1.1, seed=0)
+      >>> noisy[0].shape
+      TensorShape([2, 1])
     """
-    if not l2_norm_clip > 0:
-        raise ValueError(f"l2_norm_clip must be positive, got {l2_norm_clip!r}")
-    if not noise_multiplier >= 0:
-        raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier!r}")
-    x, y, batch = _check_call(model, loss_fn, x, y, training, "ghost", NORM_METHODS)
+    l2_norm_clip, noise_multiplier = _check_clip_and_noise(l2_norm_clip, noise_multiplier)
+    seed = check_seed(seed)
+    x, y, _ = _check_call(model, loss_fn, x, y, training, "ghost", NORM_METHODS)
 
     def build():
-        clipped_sum = clipped_sum_fn(model, loss_fn, training)
+        clipped_sum = make_clipped_sum(model, loss_fn, training)
 
-        def clipped(x, y, clip, noise_std, seed):
-            grads = [g / tf.cast(tf.shape(tf.nest.flatten(x)[0])[0], g.dtype)
-                     for g in clipped_sum(x, y, clip)]
-            if noise_std is None:
+        def clipped(x, y, clip, noise, seed):
+            batch = tf.shape(tf.nest.flatten(x)[0])[0]
+            grads = [g / tf.cast(batch, g.dtype) for g in clipped_sum(x, y, clip)]
+            if noise is None:
                 return grads
+            noise_std = noise / tf.cast(batch, noise.dtype)  # noise_multiplier * C / B
             if seed is None:  # traced once per case: a Python None is part of the signature
                 return [g + tf.random.normal(tf.shape(g), stddev=tf.cast(noise_std, g.dtype),
                                              dtype=g.dtype) for g in grads]
@@ -583,10 +733,23 @@ def clipped_gradient(model, loss_fn, x, y, l2_norm_clip, noise_multiplier=0.0, s
         return _checked_function(clipped, reduce_retracing=True)
 
     fn = _cached(model, ("clipped", loss_fn, training), build)
-    noise_std = noise_multiplier * l2_norm_clip / batch
+    noise = noise_multiplier * l2_norm_clip
     return fn(x, y, tf.constant(l2_norm_clip, tf.float64),
-                tf.constant(noise_std, tf.float64) if noise_std else None,
-                None if seed is None else tf.constant(seed, tf.int64))
+              tf.constant(noise, tf.float64) if noise else None,
+              None if seed is None else tf.constant(seed, tf.int64))
+
+
+def _check_clip_and_noise(l2_norm_clip, noise_multiplier):
+    """``(l2_norm_clip, noise_multiplier)`` as floats, checked: C > 0 and sigma >= 0, finite."""
+    l2_norm_clip = check_real(l2_norm_clip, "l2_norm_clip")
+    if not l2_norm_clip > 0:
+        raise ValueError(f"l2_norm_clip must be positive, got {l2_norm_clip!r}; pass the clip "
+                         "norm C, such as 1.0")
+    noise_multiplier = check_real(noise_multiplier, "noise_multiplier")
+    if not noise_multiplier >= 0:
+        raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier!r}; pass 0.0 "
+                         "for no noise")
+    return l2_norm_clip, noise_multiplier
 
 
 # ------------------------------------------------------------------------------- the plan
@@ -608,10 +771,17 @@ def ghost_norm_plan(model):
       ``"embedding"``, ``"conv2d"``, ``"layer_normalization"``, ...) or ``"vectorized"`` (no
       rule: that layer's variables are materialised with ``tf.vectorized_map``).
 
+    Raises:
+      TypeError: ``model`` is not a Keras model.
+
     Example:
-      >>> ghost_norm_plan(model)  # doctest: +SKIP
-      {'dense': 'dense', 'batch_normalization': 'vectorized', 'dense_1': 'dense'}
+      >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="hidden"),
+      ...                           keras.layers.PReLU(name="prelu"),
+      ...                           keras.layers.Dense(3, name="out")])
+      >>> ghost_norm_plan(model)
+      {'hidden': 'dense', 'prelu': 'vectorized', 'out': 'dense'}
     """
+    _check_model_type(model)
     plan = {}
     for layer in _layers(model):
         if _owned_trainable(layer):
@@ -621,7 +791,29 @@ def ghost_norm_plan(model):
 
 
 class Plan(list):
-    """Rows ``(layer, class, rule, norm)``; prints as a table."""
+    """Rows ``(layer, class, rule, norm)``; prints as a table.
+
+    Raises:
+      TypeError: ``rows`` is not an iterable of rows.
+      ValueError: a row is not a 4-tuple ``(layer, class, rule, norm)``.
+
+    Example:
+      >>> print(Plan([("dense", "Dense", "dense", "ghost")]))
+      layer  class  rule   norm
+      dense  Dense  dense  ghost
+    """
+
+    def __init__(self, rows=()):
+        try:
+            rows = list(rows)
+        except TypeError:
+            raise TypeError(f"Plan takes an iterable of (layer, class, rule, norm) rows, got "
+                            f"{type(rows).__name__}") from None
+        for row in rows:
+            if not isinstance(row, tuple) or len(row) != 4:
+                raise ValueError(f"each Plan row must be a 4-tuple (layer, class, rule, norm), "
+                                 f"got {row!r}")
+        super().__init__(rows)
 
     def __str__(self):
         header = ("layer", "class", "rule", "norm")
@@ -644,12 +836,20 @@ def per_example_plan(model):
     ``"materialised (vectorized_map)"`` or ``"-"``. For convolutions and Dense on sequences the
     choice follows the layer's built input shape (ghost when 2 T^2 <= d p).
 
+    Raises:
+      TypeError: ``model`` is not a Keras model.
+
     Example:
-      >>> print(per_example_plan(model))  # doctest: +SKIP
-      layer    class               rule                  norm
-      dense    Dense               dense                 ghost
-      norm     LayerNormalization  layer_normalization   materialised
+      >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="hidden"),
+      ...                           keras.layers.LayerNormalization(name="norm"),
+      ...                           keras.layers.PReLU(name="prelu")])
+      >>> print(per_example_plan(model))
+      layer   class               rule                                                norm
+      hidden  Dense               dense                                               ghost
+      norm    LayerNormalization  layer_normalization                                 materialised
+      prelu   PReLU               vectorized fallback (no rule registered for PReLU)  materialised (vectorized_map)
     """
+    _check_model_type(model)
     rows = Plan()
     for layer in _layers(model):
         inner = {id(w) for sub in layer._flatten_layers(include_self=False)  # pylint: disable=protected-access

@@ -8,16 +8,17 @@ to the sum, once, and divides by the *expected* batch size. :func:`epsilon` turn
 ``(noise_multiplier, sample_rate, steps, delta)`` into the epsilon of that guarantee, with
 Google's ``dp_accounting`` library (the accountant TensorFlow Privacy and jax_privacy use).
 
-Clipping uses :func:`gradtut.per_example.clipped_sum_fn`: ghost norms and one reweighted sum
+Clipping uses :func:`gradtut.per_example.make_clipped_sum`: ghost norms and one reweighted sum
 per layer, so layers with a rule never materialise per-example gradients.
 
 Example:
-  >>> sigma = noise_multiplier_for_epsilon(3.0, sample_rate=64 / 1500, steps=500,
-  ...                                      delta=1e-5)  # doctest: +SKIP
-  >>> dp = DPModel(model, l2_norm_clip=1.0, noise_multiplier=sigma,
-  ...              expected_batch_size=64)  # doctest: +SKIP
+  >>> sigma = noise_multiplier_for_epsilon(3.0, sample_rate=64 / 1500, steps=500, delta=1e-5)
+  >>> round(sigma, 2)
+  1.66
+  >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+  >>> dp = DPModel(model, l2_norm_clip=1.0, noise_multiplier=sigma, expected_batch_size=64)
   >>> dp.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(
-  ...     from_logits=True, reduction=None))  # doctest: +SKIP
+  ...     from_logits=True, reduction=None))
 """
 import contextlib
 import logging
@@ -30,6 +31,7 @@ import tensorflow as tf
 from dp_accounting import pld, rdp
 
 from gradtut import per_example
+from gradtut.checks import check_int, check_real, check_seed
 
 ACCOUNTANTS = ("rdp", "pld")
 _MAX_NOISE = 1e3  # the search for a noise multiplier stops here
@@ -59,15 +61,23 @@ def _without_order_warnings():
 
 
 def _check_accounting(sample_rate, steps, delta, accountant):
+    """``(sample_rate, steps, delta)`` as float, int, float, after checking their ranges."""
+    delta = check_real(delta, "delta")
     if not 0 < delta < 1:
         raise ValueError(f"delta must be in (0, 1), got {delta!r} (a common choice: below 1/N)")
+    sample_rate = _check_sample_rate(sample_rate)
+    steps = check_int(steps, "steps")
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"unknown accountant {accountant!r}; choose one of {ACCOUNTANTS}")
+    return sample_rate, steps, delta
+
+
+def _check_sample_rate(sample_rate):
+    sample_rate = check_real(sample_rate, "sample_rate")
     if not 0 < sample_rate <= 1:
         raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r} (expected batch "
                          "size / number of examples)")
-    if int(steps) != steps or steps < 1:
-        raise ValueError(f"steps must be a positive integer, got {steps!r}")
-    if accountant not in ACCOUNTANTS:
-        raise ValueError(f"unknown accountant {accountant!r}; choose one of {ACCOUNTANTS}")
+    return sample_rate
 
 
 def epsilon(noise_multiplier, sample_rate, steps, delta, accountant="rdp"):
@@ -87,20 +97,21 @@ def epsilon(noise_multiplier, sample_rate, steps, delta, accountant="rdp"):
       float epsilon, for the add-or-remove-one neighbouring relation.
 
     Raises:
-      ValueError: an argument outside its range.
+      ValueError: an argument that is not a number (steps: not an int) or outside its range.
 
     Example:
-      >>> round(epsilon(1.1, 256 / 60000, 14062, 1e-5), 2)  # doctest: +SKIP
+      >>> round(epsilon(1.1, 256 / 60000, 14062, 1e-5), 2)
       2.6
     """
-    _check_accounting(sample_rate, steps, delta, accountant)
+    sample_rate, steps, delta = _check_accounting(sample_rate, steps, delta, accountant)
+    noise_multiplier = check_real(noise_multiplier, "noise_multiplier")
     if not noise_multiplier >= 0:
         raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier!r}")
     if noise_multiplier == 0:
         return math.inf
     event = dp_accounting.SelfComposedDpEvent(
         dp_accounting.PoissonSampledDpEvent(
-            sample_rate, dp_accounting.GaussianDpEvent(noise_multiplier)), int(steps))
+            sample_rate, dp_accounting.GaussianDpEvent(noise_multiplier)), steps)
     account = rdp.RdpAccountant() if accountant == "rdp" else pld.PLDAccountant()
     with _without_order_warnings():
         account.compose(event)
@@ -120,8 +131,14 @@ def noise_multiplier_for_epsilon(target_epsilon, sample_rate, steps, delta, acco
       ValueError: a non-positive target, an argument outside its range, or a target that no
         noise multiplier up to 1000 reaches (the message gives the best reachable epsilon;
         with RDP, small targets are limited by delta and the largest Renyi order).
+
+    Example:
+      >>> sigma = noise_multiplier_for_epsilon(3.0, sample_rate=0.01, steps=100, delta=1e-5)
+      >>> round(sigma, 2), epsilon(sigma, 0.01, 100, 1e-5) <= 3.0
+      (0.71, True)
     """
-    _check_accounting(sample_rate, steps, delta, accountant)
+    sample_rate, steps, delta = _check_accounting(sample_rate, steps, delta, accountant)
+    target_epsilon = check_real(target_epsilon, "target_epsilon")
     if not target_epsilon > 0:
         raise ValueError(f"target_epsilon must be positive, got {target_epsilon!r}")
 
@@ -166,17 +183,35 @@ def poisson_batches(x, y, sample_rate, seed):
     Args:
       x, y: arrays with the same first dimension N.
       sample_rate: q in (0, 1].
-      seed: int, for a repeatable sequence of batches.
+      seed: int, for a repeatable sequence of batches; None draws fresh ones.
+
+    Returns:
+      a generator of ``(x_batch, y_batch)``. The arguments are checked when it is made.
+
+    Raises:
+      ValueError: ``sample_rate`` outside (0, 1], a bad ``seed``, x or y None, or x and y of
+        different lengths.
 
     Example:
-      >>> for xb, yb in poisson_batches(x, y, 64 / len(x), seed=0):  # doctest: +SKIP
-      ...     step(xb, yb)
+      >>> batches = list(poisson_batches(np.arange(8)[:, None], np.arange(8), 0.5, seed=0))
+      >>> len(batches), all(len(xb) == len(yb) for xb, yb in batches)
+      (2, True)
     """
-    if not 0 < sample_rate <= 1:
-        raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+    sample_rate = _check_sample_rate(sample_rate)
+    seed = check_seed(seed)
+    if x is None or y is None:
+        raise ValueError(f"{'x' if x is None else 'y'} is None; poisson_batches samples from "
+                         "arrays x and y with the same first dimension N")
     x, y = np.asarray(x), np.asarray(y)
+    if x.ndim == 0 or y.ndim == 0:
+        raise ValueError(f"x and y must be arrays of N examples; got shapes {x.shape} and "
+                         f"{y.shape}")
     if len(x) != len(y):
         raise ValueError(f"x has {len(x)} examples but y has {len(y)}; they must match")
+    return _poisson_batches(x, y, sample_rate, seed)
+
+
+def _poisson_batches(x, y, sample_rate, seed):
     rng = np.random.default_rng(seed)
     for _ in range(max(1, round(1 / sample_rate))):
         mask = rng.random(len(x)) < sample_rate
@@ -186,17 +221,25 @@ def poisson_batches(x, y, sample_rate, seed):
 # ------------------------------------------------------------------------------ training
 
 
-def _check_training(model, loss_fn, l2_norm_clip, noise_multiplier, expected_batch_size):
-    if not l2_norm_clip > 0:
-        raise ValueError(f"l2_norm_clip must be positive, got {l2_norm_clip!r}")
-    if not noise_multiplier >= 0:
-        raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier!r}")
-    if int(expected_batch_size) != expected_batch_size or expected_batch_size < 1:
-        raise ValueError(f"expected_batch_size must be a positive integer (sample rate x number "
-                         f"of examples, rounded), got {expected_batch_size!r}")
+def _check_settings(l2_norm_clip, noise_multiplier, expected_batch_size):
+    """The numbers of a DP-SGD step, checked: ``(C, sigma, expected_batch_size)``."""
+    l2_norm_clip, noise_multiplier = per_example._check_clip_and_noise(  # pylint: disable=protected-access
+        l2_norm_clip, noise_multiplier)
+    try:
+        expected_batch_size = check_int(expected_batch_size, "expected_batch_size")
+    except ValueError as err:
+        raise ValueError(f"{err} (the sample rate x the number of examples, rounded)") from None
+    return l2_norm_clip, noise_multiplier, expected_batch_size
+
+
+def _check_training(model, loss_fn, l2_norm_clip, noise_multiplier, expected_batch_size,
+                    loss_name="loss_fn"):
+    _check_settings(l2_norm_clip, noise_multiplier, expected_batch_size)
     if loss_fn is None:
-        raise ValueError("compile(loss=...) needs a per-example loss, e.g. keras.losses."
+        where = "compile(loss=...)" if loss_name == "loss" else f"{loss_name} is None: DP-SGD"
+        raise ValueError(f"{where} needs a per-example loss, e.g. keras.losses."
                          "SparseCategoricalCrossentropy(from_logits=True, reduction=None)")
+    per_example._check_loss(loss_fn, loss_name)  # pylint: disable=protected-access
     # the engine's own checks: a reducing loss, BatchNormalization in training, grouped
     # convolutions and random layers where the one-pass methods would get them wrong
     per_example.check_model(model, loss_fn, training=True, method="ghost")
@@ -229,7 +272,7 @@ def _dp_gradients_fn(model, loss_fn, l2_norm_clip, noise_multiplier, expected_ba
     ``expected_batch_size``. The noise is drawn from ``(seed, step)``, identically on every
     replica, and each replica adds ``1/R`` of it; the optimizer's sum over replicas then holds
     the noise exactly once."""
-    clipped_sum = per_example.clipped_sum_fn(model, loss_fn, training=True, with_outputs=True)
+    clipped_sum = per_example.make_clipped_sum(model, loss_fn, training=True, with_outputs=True)
     std = noise_multiplier * l2_norm_clip
 
     def gradients(x, y, step):
@@ -259,7 +302,16 @@ def _dp_gradients_fn(model, loss_fn, l2_norm_clip, noise_multiplier, expected_ba
 
 def _seed(seed):
     """``seed`` as an int, or a fresh one from the operating system's entropy for None."""
-    return int(np.random.default_rng().integers(2**31)) if seed is None else int(seed)
+    seed = check_seed(seed)
+    return int(np.random.default_rng().integers(2**31)) if seed is None else seed
+
+
+def _check_batch(x, y, where):
+    """Refuse a batch without inputs or targets, before it reaches a traced function."""
+    for value, name in ((x, "x"), (y, "y")):
+        if value is None:
+            raise ValueError(f"{where} got {name}=None; DP-SGD needs inputs x and one target per "
+                             "example y (batches of (x, y), e.g. from poisson_batches)")
 
 
 def make_dp_train_step(model, loss_fn, optimizer, l2_norm_clip, noise_multiplier,
@@ -291,10 +343,26 @@ def make_dp_train_step(model, loss_fn, optimizer, l2_norm_clip, noise_multiplier
         guarantee: train models you publish with None, and never reuse a seed.
 
     Raises:
-      ValueError: bad arguments; BatchNormalization in the model; a reducing loss; and as
-        :func:`gradtut.per_example.clipped_gradient` for layers the engine refuses.
+      ValueError: bad arguments (``l2_norm_clip`` not a positive number, ``expected_batch_size``
+        not a positive int, a bad ``seed``, a loss given by name); BatchNormalization in the
+        model; a reducing loss; and as :func:`gradtut.per_example.clipped_gradient` for layers
+        the engine refuses. ``step(x, y)`` refuses ``x`` or ``y`` None.
+      TypeError: ``model`` is not a Keras model, or ``optimizer`` is not a Keras optimizer.
+
+    Example:
+      >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+      >>> loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+      >>> step = make_dp_train_step(model, loss, keras.optimizers.SGD(0.1), l2_norm_clip=1.0,
+      ...                           noise_multiplier=1.1, expected_batch_size=8, seed=0)
+      >>> int(step(np.ones((6, 4), "float32"), np.array([0, 1, 2, 0, 1, 2])))
+      6
     """
     _check_training(model, loss_fn, l2_norm_clip, noise_multiplier, expected_batch_size)
+    l2_norm_clip, noise_multiplier, expected_batch_size = _check_settings(
+        l2_norm_clip, noise_multiplier, expected_batch_size)
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"optimizer must be a Keras optimizer object, got {optimizer!r} "
+                        f"({type(optimizer).__name__}); pass e.g. keras.optimizers.SGD(0.1)")
     strategy = strategy or tf.distribute.get_strategy()
     seed = _seed(seed)
     with strategy.scope():
@@ -314,6 +382,7 @@ def make_dp_train_step(model, loss_fn, optimizer, l2_norm_clip, noise_multiplier
         return strategy.reduce(tf.distribute.ReduceOp.SUM, batches, axis=None)
 
     def step(x, y):
+        _check_batch(x, y, "step(x, y)")
         if strategy.num_replicas_in_sync > 1 and not all(
                 isinstance(t, tf.distribute.DistributedValues) for t in tf.nest.flatten((x, y))):
             raise ValueError(
@@ -339,22 +408,31 @@ class DPModel(keras.Model):
     ``fit`` reports are computed on the private batches and are not covered by epsilon.
     ``sample_weight``, ``class_weight`` and regularisation losses are refused.
 
+    Raises:
+      TypeError: ``model`` is not a Keras model.
+      ValueError: ``l2_norm_clip``, ``noise_multiplier``, ``expected_batch_size`` or ``seed``
+        as :func:`make_dp_train_step`; ``compile`` checks the loss and the model as it does,
+        and ``fit`` refuses data without targets and ``sample_weight``.
+
     Example:
+      >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
       >>> dp = DPModel(model, l2_norm_clip=1.0, noise_multiplier=1.1,
-      ...              expected_batch_size=64, seed=0)  # doctest: +SKIP
+      ...              expected_batch_size=64, seed=0)
       >>> dp.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.
-      ...            SparseCategoricalCrossentropy(from_logits=True, reduction=None))  # doctest: +SKIP
+      ...            SparseCategoricalCrossentropy(from_logits=True, reduction=None))
+      >>> # Not run as a doctest: fit needs a dataset, and tracing its step takes seconds.
       >>> dp.fit(dataset, epochs=3)  # doctest: +SKIP
     """
 
     def __init__(self, model, l2_norm_clip, noise_multiplier, expected_batch_size, seed=None,
                  **kwargs):
         super().__init__(**kwargs)
-        if not l2_norm_clip > 0:
-            raise ValueError(f"l2_norm_clip must be positive, got {l2_norm_clip!r}")
+        per_example._check_model_type(model)  # pylint: disable=protected-access
+        l2_norm_clip, noise_multiplier, expected_batch_size = _check_settings(
+            l2_norm_clip, noise_multiplier, expected_batch_size)
         self.model = model
-        self.l2_norm_clip = float(l2_norm_clip)
-        self.noise_multiplier = float(noise_multiplier)
+        self.l2_norm_clip = l2_norm_clip
+        self.noise_multiplier = noise_multiplier
         self.expected_batch_size = expected_batch_size
         self.seed = _seed(seed)
         self._dp_gradients = None
@@ -371,7 +449,7 @@ class DPModel(keras.Model):
 
     def compile(self, optimizer="rmsprop", loss=None, **kwargs):  # pylint: disable=arguments-differ
         _check_training(self.model, loss, self.l2_norm_clip, self.noise_multiplier,
-                        self.expected_batch_size)
+                        self.expected_batch_size, loss_name="loss")
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
         self._per_example_loss = loss
         self._dp_gradients = _dp_gradients_fn(
@@ -380,6 +458,7 @@ class DPModel(keras.Model):
 
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        _check_batch(x, y, "DPModel.fit")
         if sample_weight is not None:
             raise ValueError("DPModel does not take sample_weight or class_weight: a weight "
                              "above 1 would let one example move the model by more than the "

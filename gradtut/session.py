@@ -36,9 +36,10 @@ def captured_stderr():
     prints them where the output may vary. Python exceptions still propagate normally.
 
     Example:
-      >>> with captured_stderr() as said:  # doctest: +SKIP
-      ...     train(policy="mixed_float16")
-      >>> print(said.text)  # doctest: +SKIP
+      >>> with captured_stderr() as said:
+      ...     _ = os.write(2, b"a line from C++\\n")
+      >>> said.text
+      'a line from C++\\n'
     """
     import sys
     import tempfile
@@ -73,6 +74,47 @@ def _runtime_started():
     from tensorflow.python.eager import context
 
     return context.context()._context_handle is not None  # pylint: disable=protected-access
+
+
+def _positive_int(value, name):
+    """``value`` as an int >= 1; bools and non-integers refused. A copy of
+    ``gradtut.checks.check_int`` kept here on purpose: this module must not import TensorFlow
+    (``checks`` does) before :func:`setup` has set the start-up options."""
+    if isinstance(value, bool) or not hasattr(value, "__index__") or value < 1:
+        raise ValueError(f"{name} must be None or a positive int, got {value!r}; pass a "
+                         "whole number such as 2")
+    return int(value)
+
+
+def _make_virtual_cpus(tf, virtual_cpus, started_before):
+    """Split the CPU into ``virtual_cpus`` logical devices (a no-op when already so)."""
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    wanted = [tf.config.LogicalDeviceConfiguration() for _ in range(virtual_cpus)]
+    current = tf.config.get_logical_device_configuration(cpu)
+    have = 1 if current is None else len(current)
+    # Re-applying the same count is a no-op; TensorFlow refuses any change after start.
+    if have != virtual_cpus or (current is None and not started_before):
+        try:
+            tf.config.set_logical_device_configuration(cpu, wanted)
+        except RuntimeError as err:
+            raise RestartKernelError(
+                f"TensorFlow already started with {have} CPU device(s), so it cannot "
+                f"create {virtual_cpus} virtual CPUs ({err}). Restart the kernel and "
+                "run gradtut.setup(...) in the first cell, before any other TensorFlow "
+                "code."
+            ) from None
+
+
+def _set_intra_op_threads(tf, intra_op_threads, started_before):
+    """Set the intra-op thread count, or refuse if TensorFlow already runs with another."""
+    current_threads = tf.config.threading.get_intra_op_parallelism_threads()
+    if started_before and current_threads != intra_op_threads:
+        raise RestartKernelError(
+            f"TensorFlow already started with intra_op_threads={current_threads or 'default'}"
+            f", so it cannot switch to {intra_op_threads}. Restart the kernel and run "
+            "gradtut.setup(...) in the first cell.")
+    if not started_before:
+        tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
 
 
 def setup(seed=0, virtual_cpus=None, bfc_allocator=True, deterministic=True,
@@ -110,17 +152,16 @@ def setup(seed=0, virtual_cpus=None, bfc_allocator=True, deterministic=True,
 
     Example:
       >>> import gradtut
+      >>> # skipped when run: the settings are fixed once per process, and the tests made them
       >>> info = gradtut.setup(seed=0, virtual_cpus=4)  # doctest: +SKIP
       >>> info["devices"]  # doctest: +SKIP
       ['/device:CPU:0', '/device:CPU:1', '/device:CPU:2', '/device:CPU:3']
     """
     global _applied
-    if virtual_cpus is not None and (not isinstance(virtual_cpus, int) or virtual_cpus < 1):
-        raise ValueError(f"virtual_cpus must be None or a positive int, got {virtual_cpus!r}")
-    if intra_op_threads is not None and (not isinstance(intra_op_threads, int)
-                                         or intra_op_threads < 1):
-        raise ValueError(f"intra_op_threads must be None or a positive int, got "
-                         f"{intra_op_threads!r}")
+    if virtual_cpus is not None:
+        virtual_cpus = _positive_int(virtual_cpus, "virtual_cpus")
+    if intra_op_threads is not None:
+        intra_op_threads = _positive_int(intra_op_threads, "intra_op_threads")
     settings = (virtual_cpus, bool(bfc_allocator), bool(deterministic), intra_op_threads)
     if _applied is not None and _applied != settings:
         raise RestartKernelError(
@@ -144,34 +185,13 @@ def setup(seed=0, virtual_cpus=None, bfc_allocator=True, deterministic=True,
         import keras
 
         tf.get_logger().setLevel("ERROR")
-        cpu = tf.config.list_physical_devices("CPU")[0]
         if virtual_cpus is not None:
-            wanted = [tf.config.LogicalDeviceConfiguration() for _ in range(virtual_cpus)]
-            current = tf.config.get_logical_device_configuration(cpu)
-            have = 1 if current is None else len(current)
-            # Re-applying the same count is a no-op; TensorFlow refuses any change after start.
-            if have != virtual_cpus or (current is None and not started_before):
-                try:
-                    tf.config.set_logical_device_configuration(cpu, wanted)
-                except RuntimeError as err:
-                    raise RestartKernelError(
-                        f"TensorFlow already started with {have} CPU device(s), so it cannot "
-                        f"create {virtual_cpus} virtual CPUs ({err}). Restart the kernel and "
-                        "run gradtut.setup(...) in the first cell, before any other TensorFlow "
-                        "code."
-                    ) from None
+            _make_virtual_cpus(tf, virtual_cpus, started_before)
         if intra_op_threads is not None:
-            current_threads = tf.config.threading.get_intra_op_parallelism_threads()
-            if started_before and current_threads != intra_op_threads:
-                raise RestartKernelError(
-                    f"TensorFlow already started with intra_op_threads={current_threads or 'default'}"
-                    f", so it cannot switch to {intra_op_threads}. Restart the kernel and run "
-                    "gradtut.setup(...) in the first cell.")
-            if not started_before:
-                tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
+            _set_intra_op_threads(tf, intra_op_threads, started_before)
         devices = [d.name for d in tf.config.list_logical_devices()]  # starts the runtime
 
-    has_stats = _allocator_reports_memory(tf)
+    has_stats = allocator_has_stats()
     if bfc_allocator and not has_stats:
         raise RestartKernelError(
             "TensorFlow already started with its default CPU allocator, so the BFC allocator "
@@ -191,9 +211,118 @@ def setup(seed=0, virtual_cpus=None, bfc_allocator=True, deterministic=True,
     }
 
 
-def _allocator_reports_memory(tf):
+def allocator_has_stats(device="CPU:0"):
+    """Whether TensorFlow's allocator on ``device`` keeps memory statistics (on a CPU: only the
+    BFC allocator, chosen before TensorFlow starts; :func:`setup` does it).
+
+    Example:
+      >>> allocator_has_stats("CPU:0") in (True, False)
+      True
+    """
+    if not isinstance(device, str) or not device:
+        raise ValueError(f"device must be a device name such as 'CPU:0', got {device!r}")
+    import tensorflow as tf
+
     try:
-        tf.config.experimental.get_memory_info("CPU:0")
+        tf.config.experimental.get_memory_info(device)
     except (ValueError, RuntimeError):
         return False
     return True
+
+
+# --- running a function in a fresh Python process -------------------------------------------
+# The package's one way to do it: run_in_subprocess (one child, wait for it), and the
+# multi-worker launcher in gradtut.data_parallel (several children at once), both build the
+# child's command with child_command and read its answer with child_result.
+
+_RESULT_MARK = "@@RESULT@@"
+_CHILD_MAIN = f"""
+import importlib, json, sys
+module_name, function_name, kwargs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+result = getattr(importlib.import_module(module_name), function_name)(**kwargs)
+sys.stdout.write("\\n{_RESULT_MARK}" + json.dumps(result))
+"""
+
+
+def child_command(module, function, kwargs=None):
+    """The command line that runs ``module.function(**kwargs)`` in a new Python process and
+    prints its JSON result where :func:`child_result` finds it.
+
+    Raises:
+      ValueError: ``kwargs`` is not JSON-serialisable, or a name is not a non-empty string.
+
+    Example:
+      >>> child_command("json", "dumps", {"obj": [1, 2]})[-3:]
+      ['json', 'dumps', '{"obj": [1, 2]}']
+    """
+    import json
+    import sys
+
+    for what, name in (("module", module), ("function", function)):
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{what} must be a non-empty name (a string), got {name!r}")
+    try:
+        arguments = json.dumps(kwargs or {})
+    except TypeError as err:
+        raise ValueError(f"kwargs for {module}.{function} must be JSON-serialisable ({err}): "
+                         "pass numbers, strings, lists and dicts") from None
+    return [sys.executable, "-c", _CHILD_MAIN, module, function, arguments]
+
+
+def child_result(stdout):
+    """``(printed text, result)`` from the standard output of a :func:`child_command` process;
+    the result is None when the child printed none (it failed, or ran a script).
+
+    Example:
+      >>> child_result('hello\\n@@RESULT@@{"a": 1}')
+      ('hello', {'a': 1})
+    """
+    import json
+
+    if not isinstance(stdout, str):
+        raise ValueError(f"stdout must be the child's output as text, got "
+                         f"{type(stdout).__name__}: decode bytes first")
+    marker = "\n" + _RESULT_MARK
+    if marker not in stdout:
+        return stdout, None
+    text, _, result = stdout.rpartition(marker)
+    return text, json.loads(result)
+
+
+def run_in_subprocess(module, function, kwargs=None, env=None, timeout_s=600):
+    """Call ``module.function(**kwargs)`` in a fresh Python process and return its JSON result.
+
+    Settings that TensorFlow reads once at start-up (the CPU allocator, virtual devices,
+    oneDNN) can only be compared across processes; this runs each side in its own.
+
+    Args:
+      module: importable module name, e.g. ``"gradtut.efficiency"``.
+      function: name of a function in it returning something JSON-serialisable.
+      kwargs: JSON-serialisable keyword arguments.
+      env: extra environment variables for the child (merged over this process's).
+      timeout_s: the child is killed after this many seconds.
+
+    Raises:
+      ValueError: bad names or kwargs (see :func:`child_command`), or ``timeout_s <= 0``.
+      RuntimeError: the child failed or timed out; the message has the tail of its stderr.
+
+    Example:
+      >>> run_in_subprocess("json", "dumps", {"obj": [1, 2]})
+      '[1, 2]'
+    """
+    import subprocess
+
+    command = child_command(module, function, kwargs)
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    child_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, env=child_env,
+                              timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:  # subprocess.run has killed the child
+        raise RuntimeError(f"{module}.{function} did not finish within {timeout_s} s") from None
+    _, result = child_result(proc.stdout)
+    if proc.returncode != 0 or "\n" + _RESULT_MARK not in proc.stdout:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"{module}.{function} failed (exit {proc.returncode}):\n{tail}")
+    return result

@@ -10,12 +10,15 @@ Why one backward pass gives every example's input gradient: example b's input ``
 reaches output ``f(x)_b`` when examples do not interact, so ``d/dx_b sum_c f(x)_c`` is
 ``d f(x)_b / d x_b``. That fails for any op that mixes the batch: BatchNormalization in
 *training* mode (batch statistics; these functions call the model with ``training=False``, so
-it uses its moving statistics and is fine), or a custom layer that normalises, sorts or attends
-across axis 0. Such models are detected (example 0 computed alone must equal example 0 computed
-in the batch) and refused with a ``ValueError``.
+it uses its moving statistics and is fine), or a custom layer that normalises, sorts, sums or
+attends across axis 0 (a cumulative sum over the batch, say). Such models are detected on the
+first two examples (example 0 alone must equal example 0 next to example 1, and changing either
+example must leave the other's output unchanged) and refused with a ``ValueError``, unless
+``batch_size=1``, which computes every example alone.
 
 All results are NumPy arrays, gathered on the host chunk by chunk.
 """
+import inspect
 import logging
 import re
 import weakref
@@ -24,6 +27,8 @@ from dataclasses import dataclass, field
 import keras
 import numpy as np
 import tensorflow as tf
+
+from gradtut.checks import check_int
 
 _cache = weakref.WeakKeyDictionary()  # model -> {key: tf.function}
 _FALLBACK = re.compile(r"while_loop for converting (\w+)|(\w+) uses a while_loop")
@@ -47,6 +52,18 @@ class VectorizationReport:
     fallback_ops: list
     messages: list = field(repr=False)
     result: object = field(repr=False)
+
+    def __post_init__(self):
+        if not isinstance(self.fallback_ops, list) or not all(
+                isinstance(op, str) for op in self.fallback_ops):
+            raise ValueError(f"fallback_ops must be a list of op type names (str), got "
+                             f"{self.fallback_ops!r}")
+        if not isinstance(self.vectorized, bool):
+            raise ValueError(f"vectorized must be a bool, got {self.vectorized!r}")
+        if self.vectorized is not (not self.fallback_ops):
+            raise ValueError(f"vectorized={self.vectorized!r} contradicts fallback_ops="
+                             f"{self.fallback_ops!r}: vectorized is True exactly when no op fell "
+                             "back to a while_loop (fallback_ops == [])")
 
 
 class _Capture(logging.Handler):
@@ -74,16 +91,16 @@ def vectorization_report(fn, elems):
       :class:`VectorizationReport`.
 
     Raises:
-      ValueError: ``elems`` is empty.
+      TypeError: ``fn`` is not callable.
+      ValueError: ``elems`` is None, empty, a scalar (no leading axis to map over), or a nest
+        whose tensors differ in their leading dimension.
 
     Example:
       >>> report = vectorization_report(lambda v: tf.reduce_sum(v * v), tf.ones([4, 3]))
       >>> report.vectorized, report.fallback_ops
       (True, [])
     """
-    leaves = tf.nest.flatten(elems)
-    if not leaves or any(tf.shape(t)[0] == 0 for t in leaves):
-        raise ValueError("elems is empty: give at least one element to map over")
+    _check_elems(fn, elems)
     logger = tf.get_logger()
     capture = _Capture()
     saved = logger.level, logger.handlers[:], logger.propagate
@@ -102,12 +119,62 @@ def vectorization_report(fn, elems):
     return VectorizationReport(not ops, list(dict.fromkeys(ops)), messages, result)
 
 
+def _check_elems(fn, elems):
+    if not callable(fn):
+        raise TypeError(f"fn must be a function of one element, got {type(fn).__name__}")
+    leaves = tf.nest.flatten(elems)
+    if elems is None or any(t is None for t in leaves):
+        raise ValueError("elems is None (or holds None); pass the tensors to map over, with "
+                         "the examples along axis 0")
+    shapes = [tf.convert_to_tensor(t).shape for t in leaves]
+    if not shapes or any(shape[0] == 0 for shape in shapes if shape.rank):
+        raise ValueError("elems is empty: give at least one element to map over")
+    if any(shape.rank == 0 for shape in shapes):
+        raise ValueError("elems holds a scalar, which has no leading axis to map over; stack "
+                         "the elements along axis 0 (tf.stack, or tf.reshape(x, [1]) for one)")
+    sizes = {shape[0] for shape in shapes if shape.rank} - {None}
+    if len(sizes) > 1:
+        raise ValueError(f"the tensors in elems have different leading dimensions "
+                         f"{sorted(sizes)}; vectorized_map needs one element count")
+
+
 # ----------------------------------------------------------------- per-example input derivatives
+
+
+def _check_eager(what):
+    if tf.inside_function():
+        raise ValueError(
+            f"{what} runs eagerly: it gathers the result in NumPy chunk by chunk, so it cannot "
+            "run inside a tf.function. Call it outside the tf.function, on concrete arrays.")
+
+
+def _check_model(model):
+    """A Keras model, or a callable ``model(x, training=False)``; anything else is refused."""
+    if isinstance(model, keras.layers.Layer):
+        return
+    if not callable(model):
+        fix = ("wrap the layers in a model: keras.Sequential(layers)"
+               if isinstance(model, (list, tuple)) else "pass a Keras model")
+        raise TypeError(f"model must be a Keras model or a callable model(x, training=False), "
+                        f"got {type(model).__name__}; {fix}")
+    try:
+        inspect.signature(model).bind(None, training=False)
+    except TypeError:
+        raise TypeError(
+            f"model is called as model(x, training=False), but {model!r} does not take those "
+            "arguments; wrap it, e.g. lambda x, training=False: f(x)") from None
+    except ValueError:  # no signature to inspect (a builtin): let the call decide
+        pass
 
 
 def _checked_input(x):
     """``x`` as a NumPy array: a large batch stays on the host, and TensorFlow's allocator only
     ever sees one chunk of it."""
+    if x is None:
+        raise ValueError("x is None; pass the float inputs [N, ...] as an array or tensor")
+    if isinstance(x, keras.KerasTensor):
+        raise ValueError("x is a symbolic Keras tensor (from keras.Input); pass concrete inputs "
+                         "[N, ...] as an array or tensor")
     x = x.numpy() if isinstance(x, (tf.Tensor, tf.Variable)) else np.asarray(x)
     if x.dtype == np.float64:
         x = x.astype(keras.backend.floatx())
@@ -160,23 +227,40 @@ def _pick(outputs, kind, target, rows):
 
 
 def _check_examples_independent(model, x):
-    """Refuse models whose output for one example depends on the others in its batch.
+    """Refuse models whose output for one example depends on the others in its batch: example
+    0 alone must equal example 0 next to example 1, and moving either of the two must leave
+    the other's output unchanged.
 
     Returns the model's outputs for the first two examples (used to validate the target).
     """
     together = model(x[:2], training=False)
     if x.shape[0] < 2:
         return together
-    alone = model(x[:1], training=False)
-    difference = float(tf.reduce_max(tf.abs(together[:1] - alone)))
-    if difference > 1e-4 * (float(tf.reduce_max(tf.abs(alone))) + 1e-6):
+    if _differs(together[:1], model(x[:1], training=False)):
         raise ValueError(
             "the model's output for one example depends on the other examples in the batch "
             "(example 0 alone differs from example 0 next to example 1), so a single backward pass "
             "cannot separate per-example input gradients. This happens with ops that mix the batch "
             "(batch statistics, sorting or attention across axis 0). Compute per example instead, "
             "with batch_size=1.")
+    # A change to one example must not move the other's output (this catches a cumulative sum
+    # over the batch, which leaves example 0 alone unchanged, even when example 0 is zeros).
+    first_moved = model(np.concatenate([x[:1] + 1, x[1:2]]), training=False)
+    second_moved = model(np.concatenate([x[:1], x[1:2] + 1]), training=False)
+    if _differs(first_moved[1:], together[1:]) or _differs(second_moved[:1], together[:1]):
+        raise ValueError(
+            "the model mixes examples across the batch: changing example 0 of a batch changes "
+            "the output for example 1, or the other way round (a cumulative sum, a scan or "
+            "attention across axis 0), so a single backward pass cannot separate per-example "
+            "input gradients. Compute per example instead, with batch_size=1, or fix the layer "
+            "that reduces over axis 0.")
     return together
+
+
+def _differs(in_batch, alone):
+    """Whether one example's output computed in a batch differs from it computed alone."""
+    difference = float(tf.reduce_max(tf.abs(in_batch - alone)))
+    return difference > 1e-4 * (float(tf.reduce_max(tf.abs(alone))) + 1e-6)
 
 
 def _cached(model, key, build):
@@ -186,22 +270,37 @@ def _cached(model, key, build):
     return per_model[key]
 
 
-def _prepare(model, x, target, batch_size):
+def _prepare(model, x, target, batch_size, what):
     """Shared argument checks: returns ``(x as NumPy, chunk size, kind, rows)``."""
+    _check_eager(what)
+    _check_model(model)
     x = _checked_input(x)
     n = x.shape[0]
-    if batch_size is not None and (not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
-        raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
-    kind, rows = _target_rows(target, n, _probe(model, x))
-    return x, int(batch_size or n), kind, rows
+    chunk = _check_batch_size(batch_size, n)
+    # One example per chunk computes every example alone: examples cannot interact then.
+    kind, rows = _target_rows(target, n, _probe(model, x, independent=chunk > 1))
+    return x, chunk, kind, rows
 
 
-def _probe(model, x):
-    """Outputs for two examples, after checking they do not interact; cached per model, since
-    mixing the batch is a property of the architecture (the check costs two forward passes)."""
+def _check_batch_size(batch_size, n):
+    """Examples per chunk: ``batch_size``, checked, or all ``n`` for None."""
+    if batch_size is None:
+        return n
+    try:
+        return check_int(batch_size, "batch_size")
+    except ValueError as err:
+        raise ValueError(f"{err}; or None for one chunk") from None
+
+
+def _probe(model, x, independent=True):
+    """Outputs for two examples, after checking (where ``independent``) they do not interact;
+    cached per model, since mixing the batch is a property of the architecture (the check
+    costs four forward passes of one or two examples)."""
     per_model = _cache.setdefault(model, {})
     if "probe" in per_model:
         return per_model["probe"]
+    if not independent:
+        return model(x[:2], training=False)
     probe = _check_examples_independent(model, x[:2])
     if len(x) >= 2:  # one example cannot show mixing: check again next time
         per_model["probe"] = probe
@@ -240,22 +339,28 @@ def input_gradients(model, x, target=None, batch_size=None):
         example (``[N]`` or ``[N, 1]``); an int class index, or ``[N]`` ints, to pick column(s)
         of ``[N, classes]`` outputs; or a callable ``outputs -> [N]`` for anything else.
       batch_size: examples per chunk, or None for one chunk. TensorFlow's working memory is
-        that of one chunk; the result is gathered in a NumPy array on the host.
+        that of one chunk; the result is gathered in a NumPy array on the host. With 1, every
+        example is computed alone, so a model that mixes the batch is accepted.
 
     Returns:
       ``np.ndarray`` shaped like ``x``: row b is ``d target_b / d x_b``.
 
     Raises:
-      ValueError: empty or non-float ``x``; ``batch_size`` not a positive int; a target that does
-        not fit the outputs (out-of-range class, wrong length, a non-scalar output with no
-        target); a model whose examples interact.
+      ValueError: empty, None or non-float ``x``; ``batch_size`` not a positive int or None; a
+        target that does not fit the outputs (out-of-range class, wrong length, a non-scalar
+        output with no target); a model whose examples interact (unless ``batch_size=1``); a
+        call inside a ``tf.function`` (these functions run eagerly, chunk by chunk).
+      TypeError: ``model`` is neither a Keras model nor a callable ``model(x, training=False)``
+        (a list of layers: wrap it in ``keras.Sequential``).
 
     Example:
-      >>> grads = input_gradients(cnn, images, target=labels, batch_size=512)  # doctest: +SKIP
-      >>> grads.shape == images.shape  # doctest: +SKIP
-      True
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, kernel_initializer=
+      ...     keras.initializers.Constant([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]))])
+      >>> grads = input_gradients(model, np.ones((4, 3), "float32"), target=1, batch_size=2)
+      >>> grads.shape, grads[0].tolist()  # d out[b, 1] / d x[b]: the kernel's column 1
+      ((4, 3), [2.0, 4.0, 6.0])
     """
-    x, chunk, kind, rows = _prepare(model, x, target, batch_size)
+    x, chunk, kind, rows = _prepare(model, x, target, batch_size, "input_gradients")
 
     def build():
         @tf.function(reduce_retracing=True)
@@ -289,15 +394,18 @@ def batch_jacobian(model, x, batch_size=None, use_pfor=True):
       ``d out[b, i...] / d x[b, j...]``. Its size is N x out x in floats: mind the memory.
 
     Raises:
-      ValueError: as :func:`input_gradients` (empty or non-float x, bad batch_size, a model whose
-        examples interact).
+      ValueError, TypeError: as :func:`input_gradients` (empty or non-float x, bad batch_size,
+        a model whose examples interact, not a model).
 
     Example:
-      >>> jac = batch_jacobian(mlp, x, batch_size=256)  # doctest: +SKIP
-      >>> jac.shape  # doctest: +SKIP
-      (1797, 10, 64)
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, kernel_initializer=
+      ...     keras.initializers.Constant([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]))])
+      >>> jac = batch_jacobian(model, np.ones((4, 3), "float32"), batch_size=2)
+      >>> jac.shape, jac[0].tolist()  # the kernel, transposed, for every example
+      ((4, 2, 3), [[1.0, 3.0, 5.0], [2.0, 4.0, 6.0]])
     """
-    x, chunk, _, _ = _prepare(model, x, lambda out: tf.zeros(tf.shape(out)[:1]), batch_size)
+    x, chunk, _, _ = _prepare(model, x, lambda out: tf.zeros(tf.shape(out)[:1]), batch_size,
+                              "batch_jacobian")
 
     def build():
         @tf.function(reduce_retracing=True)
@@ -333,14 +441,19 @@ def integrated_gradients(model, x, baseline=None, target=None, steps=64, batch_s
       ``np.ndarray`` shaped like ``x``.
 
     Raises:
-      ValueError: ``steps < 1``, a baseline whose shape does not fit ``x``, and as
-        :func:`input_gradients`.
+      ValueError: ``steps`` not a positive int, a baseline whose shape does not fit ``x``, and
+        as :func:`input_gradients`.
+      TypeError: as :func:`input_gradients`.
 
     Example:
-      >>> attributions = integrated_gradients(cnn, images[:8], target=labels[:8])  # doctest: +SKIP
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, kernel_initializer=
+      ...     keras.initializers.Constant([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]))])
+      >>> integrated_gradients(model, np.ones((2, 3), "float32"), target=1, steps=4).tolist()
+      [[2.0, 4.0, 6.0], [2.0, 4.0, 6.0]]
     """
-    if not isinstance(steps, (int, np.integer)) or steps < 1:
-        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    steps = check_int(steps, "steps")
+    _check_eager("integrated_gradients")
+    _check_model(model)
     x = _checked_input(x)
     baseline = np.zeros_like(x) if baseline is None else np.asarray(baseline, x.dtype)
     if baseline.shape == x.shape[1:]:
@@ -372,12 +485,24 @@ def completeness_gap(model, x, attributions, baseline=None, target=None):
     Returns:
       ``np.ndarray`` ``[N]``.
 
+    Raises:
+      ValueError: ``attributions`` None or not shaped like ``x``, and as
+        :func:`input_gradients` (the model is checked for examples that interact).
+      TypeError: as :func:`input_gradients`.
+
     Example:
-      >>> attr = integrated_gradients(model, x, target=3)  # doctest: +SKIP
-      >>> np.abs(completeness_gap(model, x, attr, target=3)).max() < 1e-2  # doctest: +SKIP
-      True
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, kernel_initializer=
+      ...     keras.initializers.Constant([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]))])
+      >>> x = np.ones((2, 3), "float32")
+      >>> attributions = integrated_gradients(model, x, target=1, steps=4)
+      >>> completeness_gap(model, x, attributions, target=1).tolist()  # exact for a linear model
+      [0.0, 0.0]
     """
+    _check_eager("completeness_gap")
+    _check_model(model)
     x = _checked_input(x)
+    if attributions is None:
+        raise ValueError("attributions is None; pass the result of integrated_gradients")
     attributions = np.asarray(attributions)
     if attributions.shape != x.shape:
         raise ValueError(f"attributions shape {attributions.shape} != x shape {x.shape}")

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from gradtut.bench import RESULT_KEYS, ROW_KEYS, SECTIONS
+from gradtut.bench.command import RESULT_KEYS, ROW_KEYS, SECTIONS, output_folder
 
 
 def gradtut_cli(*args, cwd=None):
@@ -67,10 +67,69 @@ def test_an_existing_file_as_out_is_refused(tmp_path):
 
 
 def test_the_default_out_is_a_new_folder(tmp_path, monkeypatch):
-    from gradtut import bench
     monkeypatch.chdir(tmp_path)
-    first = bench._prepare_out(bench._parser(), None)
+    first = output_folder()
     os.makedirs(first, exist_ok=True)
-    second = bench._prepare_out(bench._parser(), None)
+    second = output_folder()
     assert first.startswith("gradtut-bench-") and first != second
     assert (tmp_path / first).is_dir() and (tmp_path / second).is_dir()
+
+
+def test_benchmark_helpers_reject_bad_arguments():
+    import keras
+    import numpy as np
+
+    from gradtut.bench.per_example import benchmark_per_example
+    from gradtut.bench.input_gradients import input_gradient_benchmark
+
+    with pytest.raises(ValueError, match=r"unknown methods \['fastest'\]"):
+        benchmark_per_example(batch_sizes=(4,), methods=("outer", "fastest"))
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="x has 8 examples; the largest batch size is 32"):
+        input_gradient_benchmark(model, np.zeros((8, 3), "float32"), np.zeros(8, "int64"),
+                                 batch_sizes=(4, 32))
+
+
+def test_the_command_and_its_workloads_refuse_bad_input_in_process(tmp_path):
+    import keras
+
+    from gradtut.bench.command import format_results, main, run_section
+    from gradtut.bench.input_gradients import (make_batched_input_gradient,
+                                               make_per_example_input_gradient, map_fn_timings,
+                                               threading_timings)
+    from gradtut.bench.per_example import benchmark_dp_step, cnn, mlp, transformer
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--sections", "nope"])
+    assert stop.value.code == 2
+    with pytest.raises(ValueError, match="unknown section 'nope'"):
+        run_section("nope", quick=True)
+    with pytest.raises(ValueError, match="with a 'sections' dict"):
+        format_results({"rows": []})
+    with pytest.raises(ValueError, match=r"a row of results is missing \['ratio', 'reference'\]"):
+        format_results({"sections": {"x": {"rows": [{"measurement": "m", "value": 1.0,
+                                                      "unit": "ms"}]}}})
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="cannot write to --out"):
+        output_folder(str(tmp_path / "file"))
+    with pytest.raises(ValueError, match="unknown model 'resnet'; choose one of mlp, cnn"):
+        benchmark_dp_step("resnet")
+    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+        benchmark_dp_step("mlp", batch_size=0)
+    with pytest.raises(ValueError, match="classes must be a positive int"):
+        cnn(classes=0)
+    with pytest.raises(ValueError, match="hidden must be a positive int"):
+        mlp(hidden=2.5)
+    with pytest.raises(ValueError, match="width 30 does not split into 4 heads"):
+        transformer(width=30, heads=4)
+    with pytest.raises(TypeError, match="model must be a Keras model"):
+        make_per_example_input_gradient(lambda x: x)
+    with pytest.raises(TypeError, match="model must be a Keras model"):
+        make_batched_input_gradient([keras.layers.Dense(2)])
+    model = mlp(input_dim=3, hidden=4)
+    with pytest.raises(ValueError, match="parallel_iterations must be a positive int"):
+        map_fn_timings(model, [[0.0, 0.0, 0.0]], parallel_iterations=(0,))
+    with pytest.raises(ValueError, match="x has no examples"):
+        map_fn_timings(model, [])
+    with pytest.raises(ValueError, match="repeats must be a positive int"):
+        threading_timings(repeats=0)

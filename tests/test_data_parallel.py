@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 from gradtut.checks import assert_gradients_close
-from gradtut.data_parallel import (accumulating_train_step, make_train_step,
+from gradtut.data_parallel import (make_accumulating_train_step, make_train_step,
                                    replica_mean_loss_mistake, single_device_step)
 from model_zoo import LOSS, strategy_with
 
@@ -86,11 +86,30 @@ def test_accumulation_equals_one_step_on_the_concatenated_batch(replicas):
     model, optimizer, reference, ref_optimizer = twins(strategy, regularized=True)
     x, y = data(48, seed=2)
     distributed, _ = batches(strategy, x, y, 8)
-    step = accumulating_train_step(strategy, model, LOSS, optimizer, global_batch_size=8,
-                                   accumulation_steps=3)
+    step = make_accumulating_train_step(strategy, model, LOSS, optimizer, global_batch_size=8,
+                                        accumulation_steps=3)
     applied = [step(batch)[1] for batch in distributed]
     assert applied == [False, False, True, False, False, True]
     for big in (slice(0, 24), slice(24, 48)):   # two updates: accumulators must reset between
+        single_device_step(reference, LOSS, ref_optimizer, x[big], y[big])
+    assert_gradients_close(model.get_weights(), reference.get_weights(), **TOL)
+
+
+def test_accumulation_with_an_optimizer_that_has_slots():
+    """Adam's moment slots are built under the strategy's scope when the step is made; built
+    lazily inside the compiled apply, under MirroredStrategy, they failed at the first update."""
+    strategy = strategy_with(2)
+    with strategy.scope():
+        model, optimizer = build(True), keras.optimizers.Adam(0.01)
+    reference = build(True)
+    reference.set_weights(model.get_weights())
+    ref_optimizer = keras.optimizers.Adam(0.01)
+    x, y = data(30, seed=5)
+    step = make_accumulating_train_step(strategy, model, LOSS, optimizer, global_batch_size=8,
+                                        accumulation_steps=2)
+    applied = [step(batch)[1] for batch in batches(strategy, x, y, 8)[0]]
+    assert applied == [False, True, False, True]   # 8 + 8, then 8 + 6 examples
+    for big in (slice(0, 16), slice(16, 30)):
         single_device_step(reference, LOSS, ref_optimizer, x[big], y[big])
     assert_gradients_close(model.get_weights(), reference.get_weights(), **TOL)
 
@@ -103,12 +122,107 @@ def test_bad_arguments_get_clear_errors():
     with pytest.raises(ValueError, match="global_batch_size must be a positive int"):
         make_train_step(strategy, model, LOSS, optimizer, global_batch_size=8.0)
     with pytest.raises(ValueError, match="accumulation_steps must be a positive int"):
-        accumulating_train_step(strategy, model, LOSS, optimizer, 8, accumulation_steps=0)
+        make_accumulating_train_step(strategy, model, LOSS, optimizer, 8, accumulation_steps=0)
     mean_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     step = make_train_step(strategy, model, mean_loss, optimizer, global_batch_size=8)
     distributed, _ = batches(strategy, *data(8), 8)
     with pytest.raises(ValueError, match=r"per-example losses of shape \[B\]"):
         step(next(iter(distributed)))
+
+
+def test_counts_accept_numpy_ints_with_the_same_result_and_refuse_bools():
+    """One meaning for an integer argument (gradtut.checks.check_int): np.int64(3) is 3."""
+    strategy = strategy_with(2)
+    x, y = data(24, seed=4)
+    final = []
+    for steps, batch_size in ((3, 8), (np.int64(3), np.int64(8))):
+        model, optimizer, _, _ = twins(strategy, regularized=True)
+        step = make_accumulating_train_step(strategy, model, LOSS, optimizer,
+                                            global_batch_size=batch_size,
+                                            accumulation_steps=steps)
+        applied = [step(batch)[1] for batch in batches(strategy, x, y, 8)[0]]
+        assert applied == [False, False, True]
+        final.append(model.get_weights())
+    assert_gradients_close(final[1], final[0], rtol=0, atol=0)
+    model, optimizer, _, _ = twins(strategy)
+    make_train_step(strategy, model, LOSS, optimizer, global_batch_size=np.int64(8))
+    with pytest.raises(ValueError, match=r"accumulation_steps must be a positive int, got True "
+                                         r"\(a bool\)"):
+        make_accumulating_train_step(strategy, model, LOSS, optimizer, 8, accumulation_steps=True)
+    with pytest.raises(ValueError, match=r"global_batch_size must be a positive int, got True"):
+        make_train_step(strategy, model, LOSS, optimizer, global_batch_size=True)
+    with pytest.raises(ValueError, match=r"global_batch_size must be a positive int, got True"):
+        make_accumulating_train_step(strategy, model, LOSS, optimizer, True, 2)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "sum_over_batch_size"])
+def test_steps_refuse_a_loss_that_reduces_over_the_batch(reduction):
+    """A sum or mean over the batch would make an accumulated update depend on how the batch
+    is split into micro-batches (and a replica's on how it is sharded)."""
+    strategy = strategy_with(2)
+    model, optimizer, reference, ref_optimizer = twins(strategy)
+    reducing = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
+    distributed, plain = batches(strategy, *data(8), 8)
+    message = r"per-example losses of shape \[B\].*it returned shape \(\).*reduction=None"
+    step = make_accumulating_train_step(strategy, model, reducing, optimizer, 8, 2)
+    with pytest.raises(ValueError, match=message):
+        step(next(iter(distributed)))
+    with pytest.raises(ValueError, match=message):
+        single_device_step(reference, reducing, ref_optimizer, *plain[0])
+    with pytest.raises(ValueError, match=message):
+        replica_mean_loss_mistake(strategy, model, reducing, *plain[0])
+
+
+def test_factories_refuse_what_is_not_a_strategy_model_loss_or_optimizer():
+    strategy = strategy_with(2)
+    model, optimizer, _, _ = twins(strategy)
+    for factory, extra in ((make_train_step, ()), (make_accumulating_train_step, (2,))):
+        with pytest.raises(TypeError, match="model must be a Keras model"):
+            factory(strategy, model.get_weights(), LOSS, optimizer, 8, *extra)
+        with pytest.raises(ValueError, match=r"loss_fn is the string 'mse'.*reduction=None"):
+            factory(strategy, model, "mse", optimizer, 8, *extra)
+        with pytest.raises(TypeError, match="optimizer must be a Keras optimizer object"):
+            factory(strategy, model, LOSS, "sgd", 8, *extra)
+        with pytest.raises(TypeError, match="strategy must be a tf.distribute strategy"):
+            factory("mirrored", model, LOSS, optimizer, 8, *extra)
+
+
+def test_replica_mean_loss_mistake_refuses_bad_batches_and_arguments():
+    strategy = strategy_with(4)
+    with strategy.scope():
+        model = build(False)
+    x, y = data(16)
+    with pytest.raises(ValueError, match="x has 16 examples but y has 15"):
+        replica_mean_loss_mistake(strategy, model, LOSS, x, y[:15])
+    with pytest.raises(ValueError, match="the batch is empty"):
+        replica_mean_loss_mistake(strategy, model, LOSS, x[:0], y[:0])
+    with pytest.raises(ValueError, match="the batch size 3 is smaller than the 4 replicas"):
+        replica_mean_loss_mistake(strategy, model, LOSS, x[:3], y[:3])
+    with pytest.raises(ValueError, match="y is None"):
+        replica_mean_loss_mistake(strategy, model, LOSS, x, None)
+    with pytest.raises(ValueError, match="loss_fn is the string 'sparse_categorical_crossentropy'"):
+        replica_mean_loss_mistake(strategy, model, "sparse_categorical_crossentropy", x, y)
+    with pytest.raises(TypeError, match="model must be a Keras model"):
+        replica_mean_loss_mistake(strategy, lambda x: x, LOSS, x, y)
+    with pytest.raises(TypeError, match="strategy must be a tf.distribute strategy"):
+        replica_mean_loss_mistake(None, model, LOSS, x, y)
+
+
+def test_single_device_step_refuses_bad_batches_and_arguments():
+    model, x, y = build(False), *data(8)
+    optimizer = keras.optimizers.SGD(0.1)
+    with pytest.raises(ValueError, match="y is None"):
+        single_device_step(model, LOSS, optimizer, x, None)
+    with pytest.raises(ValueError, match="x has 8 examples but y has 7"):
+        single_device_step(model, LOSS, optimizer, x, y[:7])
+    with pytest.raises(ValueError, match="the batch is empty"):
+        single_device_step(model, LOSS, optimizer, x[:0], y[:0])
+    with pytest.raises(ValueError, match="loss_fn is the string 'mse'"):
+        single_device_step(model, "mse", optimizer, x, y)
+    with pytest.raises(TypeError, match="model must be a Keras model"):
+        single_device_step("model.keras", LOSS, optimizer, x, y)
+    with pytest.raises(TypeError, match="optimizer must be a Keras optimizer object"):
+        single_device_step(model, LOSS, "sgd", x, y)
 
 
 # ------------------------------------------------------------------ local multi-worker runs
@@ -179,6 +293,41 @@ def test_launcher_rejects_bad_arguments():
         launch_local_workers("os.getpid", 1, timeout_s=10)
 
 
+def test_worker_error_is_a_runtime_error_with_its_message():
+    """Notebooks may catch it as RuntimeError; the message is what the launcher composed."""
+    with pytest.raises(RuntimeError, match="worker 1 of 2 exited with code 17"):
+        raise WorkerError("worker 1 of 2 exited with code 17; stopped the others")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"steps": 0}, "steps must be a positive int, got 0"),
+    ({"steps": 2.0}, r"steps must be a positive int, got 2.0 \(float\)"),
+    ({"steps": 2, "global_batch_size": True}, r"global_batch_size must be a positive int, got True"),
+    ({"steps": 2, "checkpoint_every": 0}, "checkpoint_every must be a positive int, got 0"),
+    ({"steps": 2, "crash_at_step": -1}, "crash_at_step must be an int >= 0, got -1"),
+    ({"steps": 2, "mirrored_replicas": 2.5}, "mirrored_replicas must be a positive int"),
+    ({"steps": 2, "seed": "0"}, "seed must be an int >= 0, got '0'"),
+])
+def test_train_synthetic_refuses_bad_arguments_before_starting(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        train_synthetic(**kwargs)
+
+
+def test_train_synthetic_accepts_numpy_ints_with_the_same_result():
+    plain = train_synthetic(2, global_batch_size=8)
+    numpy = train_synthetic(np.int64(2), global_batch_size=np.int64(8))
+    assert numpy["weights"] == plain["weights"] and numpy["steps"] == 2
+
+
+def test_fit_under_multi_worker_refuses_bad_arguments_before_starting():
+    from gradtut.data_parallel import fit_under_multi_worker
+
+    with pytest.raises(ValueError, match="steps must be a positive int, got 0"):
+        fit_under_multi_worker(steps=0)
+    with pytest.raises(ValueError, match="global_batch_size must be a positive int, got True"):
+        fit_under_multi_worker(global_batch_size=True)
+
+
 # ----------------------------------------------------------------------- all-reduce model
 
 from gradtut.data_parallel import predicted_step_seconds, ring_allreduce_seconds  # noqa: E402
@@ -198,8 +347,30 @@ def test_predicted_step_time_adds_split_compute_and_communication():
     assert predicted_step_seconds(1e-3, 1024, 1e9, 2, 1e9) == pytest.approx(0.512 + 1.0)
     with pytest.raises(ValueError, match="positive bandwidth"):
         ring_allreduce_seconds(1e9, 2, 0)
-    with pytest.raises(ValueError, match="workers >= 1"):
+    with pytest.raises(ValueError, match="workers must be a positive int, got 0"):
         ring_allreduce_seconds(1e9, 0, 1e9)
+
+
+def test_cost_model_arguments_are_checked():
+    with pytest.raises(ValueError, match=r"workers must be a positive int, got 2.5 \(float\)"):
+        ring_allreduce_seconds(1e9, 2.5, 1e9)
+    with pytest.raises(ValueError, match=r"workers must be a positive int, got True \(a bool\)"):
+        ring_allreduce_seconds(1e9, True, 1e9)
+    with pytest.raises(ValueError, match="gradient_bytes must be >= 0, got -1"):
+        ring_allreduce_seconds(-1, 2, 1e9)
+    with pytest.raises(ValueError, match="latency_s must be >= 0"):
+        ring_allreduce_seconds(1e9, 2, 1e9, latency_s=-0.1)
+    with pytest.raises(ValueError, match="bandwidth_bytes_per_s must be a real number"):
+        ring_allreduce_seconds(1e9, 2, "10 GB/s")
+    with pytest.raises(ValueError, match="workers must be a positive int, got 0"):
+        predicted_step_seconds(1e-3, 1024, 1e9, 0, 1e9)
+    with pytest.raises(ValueError, match=r"global_batch_size must be a positive int, got 1024.0"):
+        predicted_step_seconds(1e-3, 1024.0, 1e9, 4, 1e9)
+    with pytest.raises(ValueError, match="compute_seconds_per_example must be >= 0"):
+        predicted_step_seconds(-1e-3, 1024, 1e9, 4, 1e9)
+    assert ring_allreduce_seconds(1e9, np.int64(4), 1e9) == ring_allreduce_seconds(1e9, 4, 1e9)
+    assert predicted_step_seconds(1e-3, np.int64(1024), 1e9, np.int64(4), 1e9) == \
+        predicted_step_seconds(1e-3, 1024, 1e9, 4, 1e9)
 
 
 def test_workers_die_with_a_killed_parent():

@@ -45,9 +45,8 @@ def test_accumulated_gradients_equal_one_big_batch(name, micro_batch_size):
     model = build()
     x, y = data(shape, 10)  # 7 leaves a ragged micro-batch of 3
     expected = full_batch_gradients(model, LOSS, x, y)
-    for loss_fn in (LOSS, MEAN_LOSS):
-        got = eff.accumulated_gradients(model, loss_fn, x, y, micro_batch_size)
-        assert_gradients_close(got, expected)
+    got = eff.accumulated_gradients(model, LOSS, x, y, micro_batch_size)
+    assert_gradients_close(got, expected)
 
 
 def test_averaging_micro_batch_means_would_be_wrong_on_a_ragged_batch():
@@ -106,6 +105,112 @@ def test_accumulating_train_step_refuses_bad_step_counts():
         with pytest.raises(ValueError, match="accumulation_steps must be a positive int"):
             eff.make_accumulating_train_step(mlp(), LOSS, keras.optimizers.SGD(), bad)
 
+SUM_LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+REDUCES = r"per-example losses of shape \[B\].*it returned shape \(\).*reduction=None"
+
+
+@pytest.mark.parametrize("reducing", [SUM_LOSS, MEAN_LOSS], ids=["sum", "mean"])
+def test_a_loss_that_reduces_over_the_batch_is_refused(reducing):
+    """With reduction="sum" the accumulated gradient grew with the number of micro-batches
+    (|g| = 0.47, 0.94, 1.87 for micro-batches of 1, 2, 4 of the same data); a mean loss was
+    scaled back by guessing. Both are refused, naming the fix."""
+    x, y = data((12,), 8)
+    with pytest.raises(ValueError, match=REDUCES):
+        eff.accumulated_gradients(mlp(), reducing, x, y, 2)
+    step = eff.make_accumulating_train_step(mlp(), reducing, keras.optimizers.SGD(0.1), 2)
+    with pytest.raises(ValueError, match=REDUCES):
+        step(x[:4], y[:4])
+
+
+def test_per_example_losses_give_one_gradient_whatever_the_micro_batch_size():
+    """Fresh random inputs every run (the seed is in the failure message); the reference tape
+    runs after the method under test, so a method that changed the model would be caught."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    x, y = data((12,), 8, seed=seed)
+    keras.utils.set_random_seed(seed)
+    model = regularized()
+    got = {size: eff.accumulated_gradients(model, LOSS, x, y, size) for size in (1, 2, 4, 8)}
+    expected = full_batch_gradients(model, LOSS, x, y)
+    for size, grads in got.items():
+        try:
+            assert_gradients_close(grads, expected)
+        except AssertionError as err:
+            raise AssertionError(f"micro_batch_size {size}, seed {seed}: {err}") from None
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 2, 4, 8])
+def test_accumulating_step_is_one_big_batch_step_whatever_the_micro_batch_size(
+        micro_batch_size):
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    x, y = data((12,), 8, seed=seed)
+    keras.utils.set_random_seed(seed)
+    model = regularized()
+    reference = regularized()
+    reference.set_weights(model.get_weights())
+    step = eff.make_accumulating_train_step(model, LOSS, keras.optimizers.SGD(0.5),
+                                            8 // micro_batch_size)
+    applied = [step(x[a:a + micro_batch_size], y[a:a + micro_batch_size])[1]
+               for a in range(0, 8, micro_batch_size)]
+    assert applied == [False] * (len(applied) - 1) + [True]
+    grads = full_batch_gradients(reference, LOSS, x, y)
+    keras.optimizers.SGD(0.5).apply(grads, reference.trainable_variables)
+    try:
+        assert_gradients_close(model.get_weights(), reference.get_weights())
+    except AssertionError as err:
+        raise AssertionError(f"seed {seed}: {err}") from None
+
+
+def test_counts_accept_numpy_ints_with_the_same_result_and_refuse_bools():
+    """One meaning for an integer argument (gradtut.checks.check_int): np.int64(4) is 4."""
+    keras.utils.set_random_seed(0)
+    model = mlp()
+    x, y = data((12,), 10)
+    assert_gradients_close(eff.accumulated_gradients(model, LOSS, x, y, np.int64(4)),
+                           eff.accumulated_gradients(model, LOSS, x, y, 4), rtol=0, atol=0)
+    final = []
+    for steps in (2, np.int64(2)):
+        keras.utils.set_random_seed(0)
+        model = mlp()
+        step = eff.make_accumulating_train_step(model, LOSS, keras.optimizers.SGD(0.5), steps)
+        assert [step(x[a:a + 5], y[a:a + 5])[1] for a in (0, 5)] == [False, True]
+        final.append(model.get_weights())
+    assert_gradients_close(final[1], final[0], rtol=0, atol=0)
+    layers = deep_mlp(depth=2).layers
+    assert len(eff.checkpointed(layers, np.int64(2)).segments) == 2
+    with pytest.raises(ValueError, match=r"accumulation_steps must be a positive int, got True "
+                                         r"\(a bool\)"):
+        eff.make_accumulating_train_step(mlp(), LOSS, keras.optimizers.SGD(), True)
+    with pytest.raises(ValueError, match=r"micro_batch_size must be an int from 1 to the batch "
+                                         r"size \(10\), got True"):
+        eff.accumulated_gradients(model, LOSS, x, y, True)
+    with pytest.raises(ValueError, match=r"num_segments must be an int from 1 to the number of "
+                                         r"layers \(3\), got True"):
+        eff.checkpointed(layers, True)
+
+
+def test_accumulation_refuses_what_is_not_a_model_a_loss_or_labels():
+    x, y = data((12,), 10)
+    with pytest.raises(ValueError, match="y is None"):
+        eff.accumulated_gradients(mlp(), LOSS, x, None, 2)
+    with pytest.raises(ValueError, match="x is None"):
+        eff.accumulated_gradients(mlp(), LOSS, None, y, 2)
+    with pytest.raises(ValueError, match="loss_fn is the string 'sparse_categorical_crossentropy'"):
+        eff.accumulated_gradients(mlp(), "sparse_categorical_crossentropy", x, y, 2)
+    with pytest.raises(TypeError, match="model must be a Keras model"):
+        eff.accumulated_gradients(mlp().layers, LOSS, x, y, 2)
+    with pytest.raises(ValueError, match="loss_fn is the string 'mse'"):
+        eff.make_accumulating_train_step(mlp(), "mse", keras.optimizers.SGD(), 2)
+    with pytest.raises(TypeError, match="model must be a Keras model"):
+        eff.make_accumulating_train_step(None, LOSS, keras.optimizers.SGD(), 2)
+    with pytest.raises(TypeError, match="optimizer must be a Keras optimizer object"):
+        eff.make_accumulating_train_step(mlp(), LOSS, "sgd", 2)
+    step = eff.make_accumulating_train_step(mlp(), LOSS, keras.optimizers.SGD(), 2)
+    with pytest.raises(ValueError, match="y is None"):
+        step(x, None)
+    with pytest.raises(ValueError, match="x has 10 examples but y has 9"):
+        step(x, y[:9])
+
+
 
 def deep_mlp(depth=6, width=16, seed=0):
     keras.utils.set_random_seed(seed)
@@ -153,6 +258,12 @@ def test_checkpointed_refuses_bad_segment_counts():
         eff.checkpointed(model.layers, 0)
     with pytest.raises(ValueError, match="layers is empty"):
         eff.checkpointed([], 1)
+    with pytest.raises(TypeError, match=r"pass its layers: checkpointed\(model.layers"):
+        eff.checkpointed(model, 2)
+    with pytest.raises(TypeError, match=r"layers\[1\] is function, not a Keras layer"):
+        eff.checkpointed([model.layers[0], tf.nn.relu], 1)
+    with pytest.raises(TypeError, match="layers must be a list of Keras layers, got NoneType"):
+        eff.checkpointed(None, 1)
 
 
 def test_checkpointing_lowers_the_peak_inside_a_tf_function():
@@ -218,6 +329,34 @@ def test_hvp_errors():
         eff.hvp(loss_fn, variables, vector[:3])
     with pytest.raises(ValueError, match=r"vector\[1\] has shape"):
         eff.hvp(loss_fn, variables, [vector[0], tf.zeros((5,))] + vector[2:])
+    with pytest.raises(ValueError, match="variables is empty"):
+        eff.hvp(loss_fn, [], [])
+    unbuilt = keras.Sequential([keras.layers.Dense(3)])
+    with pytest.raises(ValueError, match="an unbuilt model has none yet"):
+        eff.hvp(loss_fn, unbuilt.trainable_variables, [])
+    with pytest.raises(TypeError, match="variables must be a list of variables, got Sequential"):
+        eff.hvp(loss_fn, model, vector)
+    with pytest.raises(TypeError, match="loss_fn must be a zero-argument callable"):
+        eff.hvp("mse", variables, vector)
+    with pytest.raises(TypeError, match="vector must be a list of tensors, one per variable, "
+                                        "got NoneType"):
+        eff.hvp(loss_fn, variables, None)
+    per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    x, y = data((4,), 6)
+    with pytest.raises(ValueError, match=r"loss_fn must return a scalar; it returned shape \(6,\)"):
+        eff.hvp(lambda: per_example(y, model(x)), variables, vector)
+
+
+def test_hessian_errors():
+    model, loss_fn = small_problem()
+    with pytest.raises(ValueError, match="variables is empty"):
+        eff.hessian(loss_fn, [])
+    with pytest.raises(TypeError, match=r"variables\[0\] is ndarray, not a variable"):
+        eff.hessian(loss_fn, [np.zeros(3)])
+    with pytest.raises(TypeError, match="loss_fn must be a zero-argument callable"):
+        eff.hessian(None, model.trainable_variables)
+    with pytest.raises(ValueError, match="loss_fn must return a scalar"):
+        eff.hessian(lambda: model.trainable_variables[0] * 2.0, model.trainable_variables)
 
 
 def peak_of_a_matrix(n):
@@ -270,12 +409,22 @@ def test_compare_compilation_checks_agreement_and_returns_ratios():
 
     with pytest.raises(AssertionError, match="tf.function disagrees with eager"):
         eff.compare_compilation(differs_when_traced, x, repeats=1)
+    with pytest.raises(TypeError, match="fn must be a callable of tensors, got 'step'"):
+        eff.compare_compilation("step", x)
+    with pytest.raises(ValueError, match="repeats must be a positive int, got 0"):
+        eff.compare_compilation(gradient_norm, x, repeats=0)
+    with pytest.raises(ValueError, match="rtol must be >= 0, got -0.1"):
+        eff.compare_compilation(gradient_norm, x, rtol=-0.1)
 
 
 def test_large_intermediate_ms_reports_the_allocator():
     result = eff.large_intermediate_ms(size=64, repeats=2)
     assert result["median_ms"] > 0
     assert result["allocator_stats"] is True  # this test process runs with BFC (conftest)
+    with pytest.raises(ValueError, match="size must be a positive int, got 0"):
+        eff.large_intermediate_ms(size=0)
+    with pytest.raises(ValueError, match=r"repeats must be a positive int, got 2.0 \(float\)"):
+        eff.large_intermediate_ms(size=8, repeats=2.0)
 
 
 def test_allocator_workloads_time_both_workloads_against_their_references():
@@ -283,3 +432,5 @@ def test_allocator_workloads_time_both_workloads_against_their_references():
     assert set(result) == {"large_intermediate_ms", "outer_ms", "outer_ratio", "allocator_stats"}
     assert result["large_intermediate_ms"] > 0 and result["outer_ms"] > 0
     assert result["outer_ratio"] > 0 and result["allocator_stats"] is True  # BFC (conftest)
+    with pytest.raises(ValueError, match=r"batch_size must be a positive int, got True"):
+        eff.allocator_workloads(size=64, batch_size=True, repeats=2)

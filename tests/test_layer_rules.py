@@ -12,7 +12,11 @@ import tensorflow as tf
 
 from gradtut import layer_rules
 from gradtut.checks import assert_gradients_close
-from gradtut.layer_rules import LayerRule, register_rule
+from gradtut.layer_rules import (DenseRule, EinsumDenseRule, EmbeddingRule, GroupNormalizationRule,
+                                 LayerNormalizationRule, LayerRule, RMSNormalizationRule,
+                                 covered_layers, explain, one_pass, per_example_of, recording,
+                                 register_rule, registry_version, rule_for, sq_norms_of,
+                                 squared_norms, weighted_sum_of)
 from gradtut.per_example import (_onednn_enabled, clipped_gradient, per_example_gradient_norms,
                                  per_example_gradients, per_example_plan)
 from model_zoo import LOSS
@@ -219,3 +223,112 @@ def test_both_patch_paths_match_explicit_patch_extraction(channels, k, stride, d
     got = layer_rules._patches(tf.constant(x), (k, k), (stride, stride), padding,
                                (dilation, dilation)).numpy()
     np.testing.assert_allclose(got, _numpy_patches(x, k, stride, dilation, padding), rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+def dense_model():
+    keras.utils.set_random_seed(11)
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+
+
+def recorded_dense():
+    """``(layer, rule, pairs)`` of a Dense layer, as one_pass returns them."""
+    model = dense_model()
+    layers, _ = one_pass(model, lambda: tf.reduce_sum(model(tf.ones([4, 3])), 1))
+    return layers[0]
+
+
+def test_registry_version_takes_no_arguments_and_changes_on_registration(scale_rule):
+    before = registry_version()
+    register_rule(Scale)(scale_rule)
+    assert registry_version() == before + 1
+    with pytest.raises(TypeError, match="takes 0 positional arguments but 1 was given"):
+        registry_version(Scale)
+
+
+def test_a_rule_is_refused_for_a_layer_type_it_was_not_written_for():
+    with pytest.raises(TypeError, match="DenseRule is written for Dense layers, and Conv2D is not "
+                                        "one; subclass LayerRule for Conv2D instead"):
+        register_rule(keras.layers.Conv2D)(DenseRule)
+    assert layer_rules._RULES[keras.layers.Conv2D].name == "conv2d"
+    conv, dense = keras.layers.Conv2D(2, 3), keras.layers.Dense(2)
+    with pytest.raises(TypeError, match="DenseRule is the rule for Dense layers, got Conv2D"):
+        DenseRule().unsupported(conv)
+    with pytest.raises(TypeError, match="EinsumDenseRule is the rule for EinsumDense layers"):
+        EinsumDenseRule().unsupported(dense)
+    with pytest.raises(TypeError, match="EmbeddingRule is the rule for Embedding layers"):
+        EmbeddingRule().unsupported(dense)
+    with pytest.raises(TypeError, match="LayerNormalizationRule is the rule for LayerNormalization"):
+        LayerNormalizationRule().unsupported(dense)
+    with pytest.raises(TypeError, match="GroupNormalizationRule is the rule for GroupNormalization"):
+        GroupNormalizationRule().unsupported(dense)
+    with pytest.raises(TypeError, match="RMSNormalizationRule is the rule for RMSNormalization"):
+        RMSNormalizationRule().unsupported(dense)
+    with pytest.raises(TypeError, match=r"LayerRule.unsupported needs a Keras layer, got str"):
+        LayerRule().unsupported("dense")
+
+
+def test_a_rule_without_its_required_methods_says_which():
+    class Incomplete(LayerRule):
+        pass
+
+    layer = keras.layers.Dense(2)
+    with pytest.raises(NotImplementedError, match=r"LayerRule must implement variables\(layer\)"):
+        LayerRule().variables(layer)
+    with pytest.raises(NotImplementedError, match=r"Incomplete must implement forward\(layer, "
+                                                  r"inputs\)"):
+        Incomplete().forward(layer, tf.ones([1, 3]))
+    with pytest.raises(NotImplementedError, match=r"must implement per_example\(layer, a, g\)"):
+        Incomplete().per_example(layer, None, None)
+
+
+def test_rule_for_and_explain_need_a_layer():
+    with pytest.raises(TypeError, match="rule_for needs a Keras layer, got str 'dense'"):
+        rule_for("dense")
+    with pytest.raises(TypeError, match="explain needs a Keras layer, got type"):
+        explain(keras.layers.Dense)
+    assert explain(keras.layers.PReLU()) == ("vectorized fallback", "no rule registered for PReLU")
+
+
+def test_recording_covered_layers_and_one_pass_refuse_bad_arguments():
+    model = dense_model()
+    with pytest.raises(TypeError, match=r"recording takes a list of \(layer, rule\) pairs, as "
+                                        r"covered_layers\(model\) returns"):
+        with recording(model.layers, []):
+            pass
+    with pytest.raises(TypeError, match="calls must be a list to append the recorded calls to, got "
+                                        "tuple"):
+        with recording(covered_layers(model), ()):
+            pass
+    with pytest.raises(TypeError, match="covered_layers needs a Keras model, got list"):
+        covered_layers(model.layers)
+    with pytest.raises(TypeError, match="one_pass needs a Keras model, got function"):
+        one_pass(lambda v: v, lambda: tf.ones([2]))
+    with pytest.raises(TypeError, match=r"per_example_losses must be a function \(\) -> \[B\] "
+                                        r"losses, got EagerTensor"):
+        one_pass(model, tf.ones([2]))
+    with pytest.raises(ValueError, match=r"per_example_losses\(\) must return one loss per "
+                                         r"example, shape \[B\]; it returned shape \(\)"):
+        one_pass(model, lambda: tf.reduce_sum(model(tf.ones([4, 3]))))
+    assert model.layers[0].call.__func__ is keras.layers.Dense.call  # restored after the error
+
+
+def test_per_layer_functions_refuse_what_one_pass_would_not_return():
+    layer, rule, pairs = recorded_dense()
+    trainable = {id(v) for v in layer.trainable_variables}
+    with pytest.raises(ValueError, match=r"per_example_of needs a non-empty list of \(a, g\) pairs"):
+        per_example_of(layer, rule, [])
+    with pytest.raises(TypeError, match=r"sq_norms_of needs the layer's LayerRule \(rule_for\(layer\)"
+                                        r"\), got str"):
+        sq_norms_of(layer, "dense", pairs, trainable)
+    with pytest.raises(TypeError, match="weighted_sum_of needs a Keras layer, got str"):
+        weighted_sum_of("dense", rule, pairs, tf.ones([4]))
+    with pytest.raises(ValueError, match=r"weights must be a \[B\] vector, one weight per example; "
+                                         r"got shape \(\)"):
+        weighted_sum_of(layer, rule, pairs, tf.constant(1.0))
+    with pytest.raises(ValueError, match=r"squared_norms needs per-example values \[B, \.\.\.\] "
+                                         r"with the batch first; got a scalar"):
+        squared_norms(tf.constant(3.0))
+    assert squared_norms(tf.constant([3.0, -2.0])).numpy().tolist() == [9.0, 4.0]

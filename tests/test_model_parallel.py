@@ -1,7 +1,8 @@
 """The pipeline model against the GPipe bubble formula and hand-checked small cases."""
 import pytest
 
-from gradtut.model_parallel import activations_in_flight, schedule_order, simulate_pipeline
+from gradtut.model_parallel import (activations_in_flight, balanced_boundaries, bubble_fraction,
+                                    schedule_order, simulate_pipeline, stage_times)
 
 
 def spans_of(timeline):
@@ -88,14 +89,51 @@ def test_schedule_order_covers_every_microbatch_once():
                                            for j in range(6))
 
 
-def test_plot_timeline_draws_one_box_per_event():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from gradtut.model_parallel import plot_timeline
-    timeline = simulate_pipeline([1.0, 1.0, 1.0], 4)["timeline"]
-    ax = plot_timeline(timeline, scale=1, xlabel="time (forward passes)")
-    assert len(ax.collections) == len(timeline)
-    assert [t.get_text() for t in ax.get_yticklabels()] == ["stage 0", "stage 1", "stage 2"]
-    assert ax.get_xlabel() == "time (forward passes)"
-    plt.close(ax.figure)
+def event(stage, phase, start, end, microbatch=0):
+    return {"stage": stage, "microbatch": microbatch, "phase": phase, "start": start, "end": end}
+
+
+def test_schedule_order_refuses_a_stage_outside_the_pipeline():
+    with pytest.raises(ValueError, match="stage 5 does not exist in a pipeline of 2 stages"):
+        schedule_order("gpipe", 5, 2, 4)
+    with pytest.raises(ValueError, match="stage must be an int >= 0"):
+        schedule_order("1f1b", -1, 2, 4)
+    with pytest.raises(ValueError, match="num_microbatches must be a positive int"):
+        schedule_order("gpipe", 0, 2, True)
+
+
+def test_numpy_integers_count_as_ints():
+    import numpy as np
+    assert simulate_pipeline([1.0, 1.0], np.int64(4)) == simulate_pipeline([1.0, 1.0], 4)
+    with pytest.raises(ValueError, match="num_microbatches must be a positive int"):
+        simulate_pipeline([1.0, 1.0], 4.0)
+
+
+@pytest.mark.parametrize("analysis", [bubble_fraction, stage_times, activations_in_flight])
+def test_timeline_analyses_refuse_empty_malformed_or_zero_length_timelines(analysis):
+    with pytest.raises(ValueError, match="the timeline is empty"):
+        analysis([])
+    with pytest.raises(ValueError, match="timeline events are dicts with keys"):
+        analysis([{"stage": 0, "phase": "forward"}])
+    with pytest.raises(ValueError, match="ends before it starts"):
+        analysis([event(0, "forward", 2.0, 1.0)])
+    with pytest.raises(ValueError, match="zero length"):
+        analysis([event(0, "forward", 1.0, 1.0), event(0, "backward", 1.0, 1.0)])
+
+
+def test_stage_times_name_a_missing_phase_instead_of_returning_nan():
+    forward_only = [event(0, "forward", 0.0, 1.0), event(1, "forward", 1.0, 2.0)]
+    with pytest.raises(ValueError, match="stage 0 has no backward event"):
+        stage_times(forward_only)
+    whole = simulate_pipeline([1.0, 2.0], 3)["timeline"]  # and a whole step replays exactly
+    assert stage_times(whole) == [(1.0, 2.0), (2.0, 4.0)]
+
+
+def test_balanced_boundaries_refuses_impossible_splits():
+    assert balanced_boundaries([4, 1, 1, 1, 1], 2) == [1]
+    with pytest.raises(ValueError, match="3 costs cannot form 4 non-empty stages"):
+        balanced_boundaries([1, 2, 3], 4)
+    with pytest.raises(ValueError, match="costs must be finite and >= 0"):
+        balanced_boundaries([1, -2, 3], 2)
+    with pytest.raises(ValueError, match="num_stages must be a positive int"):
+        balanced_boundaries([1, 2, 3], 0)

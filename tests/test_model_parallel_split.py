@@ -75,7 +75,7 @@ def test_balancing_finds_the_smallest_largest_stage():
     rng = np.random.RandomState(0)
     for n, stages in [(5, 2), (6, 3), (7, 4), (4, 4)]:
         costs = list(rng.randint(0, 100, n))
-        cuts = mp._balanced_boundaries(costs, stages)
+        cuts = mp.balanced_boundaries(costs, stages)
         def largest(c):
             edges = [0] + list(c) + [n]
             return max(sum(costs[a:b]) for a, b in zip(edges, edges[1:]))
@@ -118,12 +118,25 @@ def test_pipeline_gradients_equal_the_full_batch(model, num_devices, batch, micr
     layers, shape = MODELS[model]()
     staged = mp.place_stages(layers, DEVICES[num_devices], input_shape=shape)
     x, y = data(shape, batch)
+    loss, grads, timeline = mp.pipeline_gradients(staged, x, y, PER_EXAMPLE_LOSS, microbatches)
+    # the reference after the method under test, so a reused buffer cannot pass for it
     expected_loss, expected = plain_loss_and_gradients(layers, staged.trainable_variables, x, y)
-    for loss_fn in (MEAN_LOSS, PER_EXAMPLE_LOSS):
-        loss, grads, timeline = mp.pipeline_gradients(staged, x, y, loss_fn, microbatches)
-        assert loss == pytest.approx(expected_loss, rel=1e-6)
-        assert_gradients_close(grads, expected)
-        assert len(timeline) == 2 * num_devices * microbatches
+    assert loss == pytest.approx(expected_loss, rel=1e-6)
+    assert_gradients_close(grads, expected)
+    assert len(timeline) == 2 * num_devices * microbatches
+
+
+@pytest.mark.parametrize("reduction", ["sum", "sum_over_batch_size"])
+def test_pipeline_gradients_refuse_a_reduced_loss(reduction):
+    # A summed loss would make the gradient grow with the micro-batch count; a mean loss
+    # hides each micro-batch's size. Per-example losses only.
+    layers, shape = dense_layers()
+    staged = mp.place_stages(layers, DEVICES[2], input_shape=shape)
+    x, y = data(shape, 8)
+    reduced = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
+    for microbatches in (1, 4):
+        with pytest.raises(ValueError, match=r"per-example losses of shape \[micro-batch\]"):
+            mp.pipeline_gradients(staged, x, y, reduced, microbatches)
 
 
 def test_the_measured_timeline_follows_the_gpipe_schedule():
@@ -131,7 +144,7 @@ def test_the_measured_timeline_follows_the_gpipe_schedule():
     staged = mp.place_stages(layers, DEVICES[4], input_shape=shape)
     x, y = data(shape, 12)
     stages, m = 4, 6
-    _, _, timeline = mp.pipeline_gradients(staged, x, y, MEAN_LOSS, m)
+    _, _, timeline = mp.pipeline_gradients(staged, x, y, PER_EXAMPLE_LOSS, m)
     span = {(e["stage"], e["microbatch"], e["phase"]): (e["start"], e["end"]) for e in timeline}
     assert set(span) == {(s, j, p) for s in range(stages) for j in range(m)
                          for p in ("forward", "backward")}
@@ -154,18 +167,18 @@ def test_pipeline_steps_are_reused_and_bad_calls_are_refused():
     layers, shape = dense_layers()
     staged = mp.place_stages(layers, DEVICES[2], input_shape=shape)
     x, y = data(shape, 6)
-    mp.pipeline_gradients(staged, x, y, MEAN_LOSS, 3)
-    mp.pipeline_gradients(staged, x, y, MEAN_LOSS, 3)
-    assert len(staged._pipelines) == 1
+    mp.pipeline_gradients(staged, x, y, PER_EXAMPLE_LOSS, 3)
+    mp.pipeline_gradients(staged, x, y, PER_EXAMPLE_LOSS, 3)
+    assert staged.compiled_pipelines == 1
     for bad in (0, 7, 2.0, True):
         with pytest.raises(ValueError, match="num_microbatches must be an int from 1 to"):
-            mp.pipeline_gradients(staged, x, y, MEAN_LOSS, bad)
+            mp.pipeline_gradients(staged, x, y, PER_EXAMPLE_LOSS, bad)
     with pytest.raises(ValueError, match="x has 6 examples but y has 5"):
-        mp.pipeline_gradients(staged, x, y[:5], MEAN_LOSS, 2)
+        mp.pipeline_gradients(staged, x, y[:5], PER_EXAMPLE_LOSS, 2)
     with pytest.raises(ValueError, match="the batch is empty"):
-        mp.pipeline_gradients(staged, x[:0], y[:0], MEAN_LOSS, 1)
+        mp.pipeline_gradients(staged, x[:0], y[:0], PER_EXAMPLE_LOSS, 1)
     with pytest.raises(TypeError, match="place_stages"):
-        mp.pipeline_gradients(layers, x, y, MEAN_LOSS, 2)
+        mp.pipeline_gradients(layers, x, y, PER_EXAMPLE_LOSS, 2)
 
 
 def test_timeline_helpers_agree_with_the_simulator():
@@ -188,6 +201,20 @@ def tensor_parallel_pair(num_devices, hidden=8, seed=0):
     for d, s in zip(dense, split):
         s.load_dense_weights(*d.get_weights())
     return dense, split
+
+
+def test_row_parallel_checks_the_shard_count_at_every_call():
+    # Built for 2 devices; a later call with 3 shards would be cut short by zip without a check.
+    _, split = tensor_parallel_pair(2)
+    x = tf.random.normal((4, 10))
+    shards = split[0](x)
+    with pytest.raises(ValueError, match="got 3 input shards for 2 devices"):
+        split[1](shards + [shards[0]])
+    with pytest.raises(ValueError, match="input shard 0 has 2 features but this layer was built "
+                                         "for 4 per shard"):
+        split[1]([s[:, :2] for s in shards])
+    with pytest.raises(ValueError, match="does not split into 2 equal shards"):
+        split[1](tf.zeros((4, 7)))
 
 
 @pytest.mark.parametrize("num_devices", [2, 4])
@@ -264,8 +291,8 @@ def test_dtensor_step_equals_the_unsharded_step(batch_dim, model_dim):
     sharded = mp.shard_mlp_params(params, mesh)
     step = tf.function(mp.sgd_step)
     for _ in range(2):
-        expected_loss = float(mp.sgd_step(reference, x, y, 0.5))
         loss = step(sharded, mp.shard_batch(x, mesh), mp.shard_batch(y, mesh), 0.5)
+        expected_loss = float(mp.sgd_step(reference, x, y, 0.5))  # the reference after it
         assert float(mp.gather(loss)) == pytest.approx(expected_loss, rel=1e-6)
     assert_gradients_close([mp.gather(sharded[k]) for k in sorted(params)],
                            [reference[k] for k in sorted(params)])
@@ -291,7 +318,7 @@ def test_dtensor_errors_name_the_problem():
         mp.shard_mlp_params(mlp_params(hidden=7), mesh)
     with pytest.raises(ValueError, match="needs 8 devices but this process has 4"):
         mp.make_mesh(2, 4)
-    with pytest.raises(ValueError, match="mesh sizes must be positive ints"):
+    with pytest.raises(ValueError, match="batch must be a positive int"):
         mp.make_mesh(0, 2)
 
 
@@ -351,3 +378,21 @@ def test_memory_report_needs_known_shapes():
     model = keras.Sequential([keras.layers.Dense(4)])
     with pytest.raises(ValueError, match="build it on a keras.Input"):
         mp.model_memory_report(model, keras.optimizers.Adam(), 8, 1, "data")
+
+
+def test_dtensor_and_memory_helpers_refuse_what_they_cannot_use():
+    with pytest.raises(ValueError, match=r"missing \['b2'\]"):
+        mp.mlp_loss({k: v for k, v in mlp_params().items() if k != "b2"}, None, None)
+    x, y = data((10,), 4)
+    with pytest.raises(ValueError, match="are not variables"):
+        mp.sgd_step(mlp_params(), x, y, 0.1)
+    with pytest.raises(ValueError, match="expected a DTensor"):
+        mp.gather(tf.ones(3))
+    with pytest.raises(ValueError, match="expected a DTensor"):
+        mp.describe_shards({"x": tf.ones(3)})
+    with pytest.raises(ValueError, match="values must be a dict"):
+        mp.describe_shards([tf.ones(3)])
+    with pytest.raises(TypeError, match="optimizer must be a Keras optimizer"):
+        mp.optimizer_slots("adam")
+    with pytest.raises(ValueError, match="one non-empty list of layers per device"):
+        mp.StagedModel([dense_layers()], ["/device:CPU:0", "/device:CPU:1"])

@@ -5,6 +5,7 @@ test: a broken kernel can leave an earlier, correct result in a reused buffer, a
 reused inputs or computed the reference first could then pass by luck.
 """
 import itertools
+import logging
 
 import keras
 import numpy as np
@@ -13,9 +14,10 @@ import tensorflow as tf
 from hypothesis import given, settings, strategies as st
 
 from gradtut.checks import assert_gradients_close
-from gradtut.per_example import (METHODS, _onednn_enabled, clipped_gradient, ghost_norm_plan,
-                                 per_example_gradient_norms, per_example_gradients,
-                                 per_example_plan)
+from gradtut.per_example import (METHODS, Plan, _onednn_enabled, broadcast_matmul_hazards,
+                                 check_model, clipped_gradient, ghost_norm_plan,
+                                 make_clipped_sum, per_example_gradient_norms,
+                                 per_example_gradients, per_example_plan)
 from model_zoo import LOSS, MODELS, batch_for
 
 FAST = [m for m in METHODS if m != "loop"]
@@ -452,14 +454,232 @@ def test_dropout_under_jacobian_draws_a_mask_per_example():
     assert np.allclose(same, same[:1])
 
 
-def test_vectorized_method_has_no_silent_while_loop_on_dense_models(models):
-    """pfor must convert every op of the MLP's per-example gradient: no while_loop fallback."""
-    from gradtut.per_example import _one_example_gradients
-    from gradtut.vectorize import vectorization_report
+def _pfor_fallback_lines(run):
+    """``(run(), the while_loop fallback lines TensorFlow logged meanwhile)``."""
+    lines = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = tf.get_logger()
+    saved = logger.level, logger.handlers[:], logger.propagate
+    logger.setLevel(logging.DEBUG)
+    logger.handlers[:] = [handler]
+    logger.propagate = False
+    try:
+        result = run()
+    finally:
+        logger.setLevel(saved[0])
+        logger.handlers[:] = saved[1]
+        logger.propagate = saved[2]
+    return result, [line for line in lines if "while_loop" in line]
 
+
+def test_vectorized_method_has_no_silent_while_loop_on_dense_models():
+    """pfor must convert every op of the MLP's per-example gradient: no while_loop fallback.
+    Seen through the public API, from what TensorFlow logs while per_example_gradients traces
+    a fresh model; the CNN (whose filter gradient pfor cannot batch) shows the capture works."""
+    keras.utils.set_random_seed(0)
+    for name, falls_back in (("mlp", False), ("cnn", True)):
+        model = MODELS[name]()
+        x, y = fresh(name, 4)
+        grads, lines = _pfor_fallback_lines(
+            lambda: per_example_gradients(model, LOSS, x, y, "vectorized"))  # noqa: B023
+        assert bool(lines) == falls_back, lines
+        assert_gradients_close(grads, loop(model, x, y), **TOL)
+
+
+# ------------------------------------------------- inside a tf.function with unknown batch
+
+
+def traced_call(model, method, signature_batch=None, **kwargs):
+    """``method`` inside a tf.function whose input_signature has batch ``signature_batch``."""
+
+    @tf.function(input_signature=[tf.TensorSpec([signature_batch, 12]),
+                                  tf.TensorSpec([signature_batch], tf.int64)])
+    def traced(x, y):
+        if method == "ghost":
+            return per_example_gradient_norms(model, LOSS, x, y)
+        if method == "clipped":
+            return clipped_gradient(model, LOSS, x, y, **kwargs)
+        return per_example_gradients(model, LOSS, x, y, method)
+
+    return traced
+
+
+@pytest.mark.parametrize("method", FAST + ["ghost", "clipped"])
+def test_methods_inside_a_tf_function_with_an_unknown_batch_size(models, method):
+    """Traced once with batch None, then run on batches of 5 and 2: values as the loop."""
+    model = models["no_rule"]  # Dense layers with a rule, and PReLU falling back to pfor
+    traced = traced_call(model, method, l2_norm_clip=0.5)
+    for batch_size in (5, 2):
+        x, y = fresh("no_rule", batch_size)
+        got = traced(x, y)
+        expected = loop(model, x, y)
+        if method == "ghost":
+            expected = norms_of(expected)
+        elif method == "clipped":
+            scale = np.minimum(1.0, 0.5 / norms_of(expected))
+            expected = [np.tensordot(scale, g.numpy(), axes=1) / batch_size for g in expected]
+        assert_gradients_close(got, expected, **TOL)
+
+
+def test_seeded_noise_inside_a_tf_function_equals_the_eager_noise(models):
+    """The noise std noise_multiplier * C / B, with B known only when the graph runs."""
     model = models["mlp"]
-    x, y = batch_for("mlp", 4)
-    one = _one_example_gradients(model, LOSS, model.trainable_variables, False)
-    report = vectorization_report(lambda xy: one(*xy), (tf.constant(x), tf.constant(y)))
-    assert report.vectorized, report.fallback_ops
-    assert_gradients_close(report.result, loop(model, x, y), **TOL)
+    x, y = fresh("mlp", 6)
+    traced = traced_call(model, "clipped", l2_norm_clip=0.5, noise_multiplier=2.0, seed=11)
+    eager = clipped_gradient(model, LOSS, x, y, l2_norm_clip=0.5, noise_multiplier=2.0, seed=11)
+    assert_gradients_close(traced(x, y), eager, rtol=1e-6, atol=1e-7)
+
+
+def test_loop_needs_a_static_batch_size_and_says_how_to_give_one(models):
+    model = models["mlp"]
+    x, y = fresh("mlp", 3)
+    with pytest.raises(ValueError, match=r"method='loop' runs a Python loop.*unknown batch size.*"
+                                         r"input_signature with a fixed batch size.*method='map_fn'"):
+        traced_call(model, "loop")(x, y)
+    fixed = traced_call(model, "loop", signature_batch=3)
+    assert_gradients_close(fixed(x, y), per_example_gradients(model, LOSS, x, y, "map_fn"), **TOL)
+
+
+def test_unknown_batch_sizes_that_disagree_fail_when_the_graph_runs(models):
+    x, y = fresh("mlp", 4)
+    traced = traced_call(models["mlp"], "outer")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="x and y have different numbers"):
+        traced(x, y[:3])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="the batch is empty"):
+        traced(x[:0], y[:0])
+
+
+# ------------------------------------------------------------------- arguments of every kind
+
+
+def sequential(*layers):
+    return keras.Sequential([keras.Input((12,)), *layers])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_y_or_x_none_is_refused_with_the_fix(models, method):
+    x, y = batch_for("mlp", 2)
+    with pytest.raises(ValueError, match=r"y is None; pass one target per example.*placeholder"):
+        per_example_gradients(models["mlp"], LOSS, x, None, method)
+    with pytest.raises(ValueError, match=r"x is None; pass the inputs"):
+        per_example_gradients(models["mlp"], LOSS, None, y, method)
+
+
+def test_none_in_every_public_function(models):
+    x, y = batch_for("two_inputs", 2)
+    with pytest.raises(ValueError, match=r"x holds None \(entries \[1\] of its flattened nest\)"):
+        per_example_gradients(models["two_inputs"], LOSS, [x[0], None], y)
+    x, y = batch_for("mlp", 2)
+    with pytest.raises(ValueError, match="y is None"):
+        per_example_gradient_norms(models["mlp"], LOSS, x, None)
+    with pytest.raises(ValueError, match="y is None"):
+        clipped_gradient(models["mlp"], LOSS, x, None, l2_norm_clip=1.0)
+
+
+def test_a_python_list_of_labels_is_read_as_a_nest_and_the_error_says_so(models):
+    x, _ = batch_for("mlp", 2)
+    with pytest.raises(ValueError, match=r"y must have a leading batch dimension; got a scalar "
+                                         r"\(a Python list is a nest.*np\.asarray"):
+        per_example_gradients(models["mlp"], LOSS, x, [0, 1])
+
+
+LOSS_BY_NAME = (r"loss_fn is the string 'sparse_categorical_crossentropy'.*pass keras\.losses\."
+                r"SparseCategoricalCrossentropy\(reduction=None\) \(with from_logits=True")
+
+
+def test_a_loss_given_by_name_is_refused_with_the_loss_object_to_pass(models):
+    x, y = batch_for("mlp", 2)
+    name = "sparse_categorical_crossentropy"
+    with pytest.raises(ValueError, match=LOSS_BY_NAME):
+        per_example_gradients(models["mlp"], name, x, y)
+    with pytest.raises(ValueError, match=LOSS_BY_NAME):
+        per_example_gradient_norms(models["mlp"], name, x, y)
+    with pytest.raises(ValueError, match=LOSS_BY_NAME):
+        clipped_gradient(models["mlp"], name, x, y, l2_norm_clip=1.0)
+    with pytest.raises(ValueError, match=LOSS_BY_NAME):
+        make_clipped_sum(models["mlp"], name)
+    with pytest.raises(ValueError, match=r"'mse'.*keras\.losses\.MeanSquaredError\(reduction=None\), or"):
+        check_model(models["mlp"], "mse", training=False, method="outer")
+    with pytest.raises(TypeError, match=r"loss_fn must be a callable loss_fn\(y_true, y_pred\).*got 3"):
+        per_example_gradients(models["mlp"], 3, x, y)
+
+
+def test_what_is_not_a_keras_model_is_refused_with_the_fix(models):
+    x, y = batch_for("mlp", 2)
+    layers = models["mlp"].layers
+    with pytest.raises(TypeError, match=r"model must be a Keras model.*got list; wrap the layers in "
+                                        r"a model: keras\.Sequential\(layers\)"):
+        per_example_gradients(layers, LOSS, x, y)
+    with pytest.raises(TypeError, match=r"got function; a plain function has no trainable variables"):
+        per_example_gradient_norms(lambda v: models["mlp"](v), LOSS, x, y)
+    with pytest.raises(TypeError, match=r"got str; pass a built Keras model"):
+        clipped_gradient("mlp", LOSS, x, y, l2_norm_clip=1.0)
+    with pytest.raises(TypeError, match="got function"):
+        make_clipped_sum(lambda v: v, LOSS)
+    with pytest.raises(TypeError, match="got list"):
+        check_model(layers, LOSS, training=False, method="outer")
+    with pytest.raises(TypeError, match="got function"):
+        ghost_norm_plan(lambda v: v)
+    with pytest.raises(TypeError, match="got list"):
+        per_example_plan(layers)
+
+
+@pytest.mark.parametrize("clip, message", [
+    (None, r"got None \(NoneType\)"), ("1.0", r"got '1.0' \(str\)"),
+    (np.array([1.0, 2.0]), r"an array of shape \(2,\)"), (float("inf"), "be finite, got inf"),
+    (-1.0, "be positive, got -1.0"), (True, r"\(a bool\)"),
+])
+def test_l2_norm_clip_must_be_one_positive_number(models, clip, message):
+    x, y = batch_for("mlp", 2)
+    with pytest.raises(ValueError, match="l2_norm_clip must (be a real number.*)?" + message):
+        clipped_gradient(models["mlp"], LOSS, x, y, l2_norm_clip=clip)
+
+
+def test_numpy_numbers_are_fine_for_the_clip_and_the_noise(models):
+    x, y = batch_for("mlp", 3)
+    got = clipped_gradient(models["mlp"], LOSS, x, y, np.float32(0.5), np.float64(1.0),
+                           seed=np.int64(4))
+    assert_gradients_close(got, clipped_gradient(models["mlp"], LOSS, x, y, 0.5, 1.0, seed=4),
+                           rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("seed, message", [
+    ("0", r"got '0' \(str\)"), (1.5, r"got 1.5 \(float\)"), (-3, "got -3"),
+    (True, r"\(a bool\)"), (2**64, "below 2\\*\\*63"),
+])
+def test_a_bad_seed_is_refused(models, seed, message):
+    x, y = batch_for("mlp", 2)
+    with pytest.raises(ValueError, match="seed must be .*" + message):
+        clipped_gradient(models["mlp"], LOSS, x, y, 1.0, noise_multiplier=1.0, seed=seed)
+    with pytest.raises(ValueError, match=r"noise_multiplier must be a real number.*got '1'"):
+        clipped_gradient(models["mlp"], LOSS, x, y, 1.0, noise_multiplier="1")
+
+
+def test_make_clipped_sum_is_the_sum_that_clipped_gradient_averages(models):
+    model = models["cnn"]
+    x, y = fresh("cnn", 4)
+    sums = tf.function(make_clipped_sum(model, LOSS))(tf.constant(x), tf.constant(y), 0.3)
+    assert_gradients_close([s / 4 for s in sums],
+                           clipped_gradient(model, LOSS, x, y, l2_norm_clip=0.3), **TOL)
+
+
+def test_broadcast_matmul_hazards_needs_a_graph():
+    fn = tf.function(lambda a: tf.linalg.matmul(a, tf.ones([8, 8])))
+    with pytest.raises(TypeError, match=r"graph must be a tf\.Graph, got Function \(a tf\.function: "
+                                        r"pass fn\.get_concrete_function\(\*args\)\.graph\)"):
+        broadcast_matmul_hazards(fn)
+    with pytest.raises(TypeError, match="graph must be a tf.Graph, got str$"):
+        broadcast_matmul_hazards("graph")
+    graph = fn.get_concrete_function(tf.TensorSpec([8, 4, 8])).graph
+    assert broadcast_matmul_hazards(graph) == []
+
+
+def test_plan_rows_must_be_four_tuples():
+    assert str(Plan([("d", "Dense", "dense", "ghost")])).splitlines()[1].split() == [
+        "d", "Dense", "dense", "ghost"]
+    with pytest.raises(ValueError, match=r"each Plan row must be a 4-tuple \(layer, class, rule, "
+                                         r"norm\), got \('dense', 'Dense'\)"):
+        Plan([("dense", "Dense")])
+    with pytest.raises(TypeError, match="Plan takes an iterable of .* rows, got int"):
+        Plan(4)

@@ -71,7 +71,7 @@ def test_noise_multiplier_for_epsilon_inverts_epsilon_within_one_percent(account
     (lambda: epsilon(1.0, 0.0, 10, 1e-5), "sample_rate must be in"),
     (lambda: epsilon(1.0, 1.5, 10, 1e-5), "sample_rate must be in"),
     (lambda: epsilon(-1.0, 0.1, 10, 1e-5), "noise_multiplier must be >= 0"),
-    (lambda: epsilon(1.0, 0.1, 0, 1e-5), "steps must be a positive integer"),
+    (lambda: epsilon(1.0, 0.1, 0, 1e-5), "steps must be a positive int"),
     (lambda: epsilon(1.0, 0.1, 10, 1e-5, "moments"), "unknown accountant"),
     (lambda: noise_multiplier_for_epsilon(0.0, 0.1, 10, 1e-5), "target_epsilon must be positive"),
     (lambda: noise_multiplier_for_epsilon(0.01, 1.0, 10_000, 1e-9), r"out of reach: even .* gives epsilon"),
@@ -243,7 +243,7 @@ def test_dp_training_refuses_what_would_break_privacy_with_the_fix():
         make_dp_train_step(model, LOSS, keras.optimizers.SGD(), 0.0, 1.0, 8)
     with pytest.raises(ValueError, match="noise_multiplier must be >= 0"):
         make_dp_train_step(model, LOSS, keras.optimizers.SGD(), 1.0, -1.0, 8)
-    with pytest.raises(ValueError, match="expected_batch_size must be a positive integer"):
+    with pytest.raises(ValueError, match="expected_batch_size must be a positive int"):
         make_dp_train_step(model, LOSS, keras.optimizers.SGD(), 1.0, 1.0, 0)
     bn = keras.Sequential([keras.Input((12,)), keras.layers.Dense(4),
                            keras.layers.BatchNormalization(), keras.layers.Dense(3)])
@@ -308,3 +308,90 @@ def test_dp_model_adds_fresh_noise_once_per_step_also_on_replicas(replicas):
 def test_compiling_again_does_not_replay_the_noise():
     noise = dp_model_noise(tf.distribute.get_strategy(), recompile=True)
     assert abs(np.corrcoef(noise[0], noise[1])[0, 1]) < 0.15
+
+
+# ------------------------------------------------------------------- arguments of every kind
+
+
+def test_accounting_arguments_must_be_numbers_and_steps_an_int():
+    with pytest.raises(ValueError, match=r"steps must be a positive int, got 10.0 \(float\)"):
+        epsilon(1.0, 0.1, 10.0, 1e-5)
+    with pytest.raises(ValueError, match=r"delta must be a real number.*got '1e-5' \(str\)"):
+        epsilon(1.0, 0.1, 10, "1e-5")
+    with pytest.raises(ValueError, match=r"noise_multiplier must be a real number.*got None"):
+        epsilon(None, 0.1, 10, 1e-5)
+    with pytest.raises(ValueError, match=r"sample_rate must be a real number.*array of shape \(2,\)"):
+        noise_multiplier_for_epsilon(3.0, np.array([0.1, 0.2]), 10, 1e-5)
+    with pytest.raises(ValueError, match=r"target_epsilon must be a real number.*got '3'"):
+        noise_multiplier_for_epsilon("3", 0.1, 10, 1e-5)
+    with pytest.raises(ValueError, match=r"steps must be a positive int, got True \(a bool\)"):
+        noise_multiplier_for_epsilon(3.0, 0.1, True, 1e-5)
+    assert epsilon(1.0, np.float32(0.5), np.int64(10), 1e-5) == epsilon(1.0, 0.5, 10, 1e-5)
+
+
+def test_poisson_batches_checks_its_arguments_when_called():
+    x, y = np.zeros((4, 2)), np.zeros(4)
+    with pytest.raises(ValueError, match=r"sample_rate must be in \(0, 1\]"):
+        poisson_batches(x, y, 1.5, seed=0)  # no next(): refused when the generator is made
+    with pytest.raises(ValueError, match=r"seed must be an int >= 0, got 0.5 \(float\).*or None"):
+        poisson_batches(x, y, 0.5, seed=0.5)
+    with pytest.raises(ValueError, match=r"seed must be an int >= 0, got '1' \(str\)"):
+        poisson_batches(x, y, 0.5, seed="1")
+    with pytest.raises(ValueError, match="y is None; poisson_batches samples from arrays"):
+        poisson_batches(x, None, 0.5, seed=0)
+    with pytest.raises(ValueError, match="x has 4 examples but y has 3"):
+        poisson_batches(x, y[:3], 0.5, seed=0)
+    assert len(list(poisson_batches(x, y, 0.5, seed=None))) == 2  # documented: fresh batches
+
+
+def test_dp_step_arguments_get_errors_that_name_the_fix():
+    model, sgd = build("mlp"), keras.optimizers.SGD()
+    with pytest.raises(ValueError, match=r"loss_fn is the string 'sparse_categorical_crossentropy'"
+                                         r".*SparseCategoricalCrossentropy\(reduction=None\)"):
+        make_dp_train_step(model, "sparse_categorical_crossentropy", sgd, 1.0, 1.0, 8)
+    with pytest.raises(ValueError, match=r"loss_fn is None: DP-SGD needs a per-example loss"):
+        make_dp_train_step(model, None, sgd, 1.0, 1.0, 8)
+    with pytest.raises(TypeError, match=r"model must be a Keras model.*got function"):
+        make_dp_train_step(lambda v: model(v), LOSS, sgd, 1.0, 1.0, 8)
+    with pytest.raises(TypeError, match=r"optimizer must be a Keras optimizer object, got 'sgd'"):
+        make_dp_train_step(model, LOSS, "sgd", 1.0, 1.0, 8)
+    for clip, message in [(None, r"got None"), ("1", r"got '1' \(str\)"),
+                          (np.ones(2), r"an array of shape \(2,\)")]:
+        with pytest.raises(ValueError, match="l2_norm_clip must be a real number.*" + message):
+            make_dp_train_step(model, LOSS, sgd, clip, 1.0, 8)
+    with pytest.raises(ValueError, match=r"expected_batch_size must be a positive int, got 8.0 "
+                                         r"\(float\).*sample rate x the number of examples"):
+        make_dp_train_step(model, LOSS, sgd, 1.0, 1.0, 8.0)
+    for seed, message in [("0", r"got '0' \(str\)"), (0.5, r"got 0.5 \(float\)"), (-1, "got -1")]:
+        with pytest.raises(ValueError, match=f"seed must be an int >= 0, {message}"):
+            make_dp_train_step(model, LOSS, sgd, 1.0, 1.0, 8, seed=seed)
+    step = make_dp_train_step(model, LOSS, sgd, 1.0, 1.0, np.int64(8), seed=np.int64(3))
+    x, y = batch_for("mlp", 4)
+    with pytest.raises(ValueError, match=r"step\(x, y\) got y=None; DP-SGD needs inputs x and one "
+                                         r"target per example y"):
+        step(x, None)
+    assert int(step(x, y)) == 4
+
+
+def test_dp_model_arguments_get_errors_that_name_the_fix():
+    model = build("mlp")
+    with pytest.raises(TypeError, match=r"model must be a Keras model.*got list.*keras\.Sequential"):
+        DPModel(model.layers, 1.0, 1.0, 8)
+    with pytest.raises(ValueError, match=r"l2_norm_clip must be a real number.*got '1.0'"):
+        DPModel(model, "1.0", 1.0, 8)
+    with pytest.raises(ValueError, match=r"noise_multiplier must be a real number.*got 'high'"):
+        DPModel(model, 1.0, "high", 8)
+    with pytest.raises(ValueError, match=r"expected_batch_size must be a positive int, got True"):
+        DPModel(model, 1.0, 1.0, True)
+    with pytest.raises(ValueError, match=r"seed must be an int >= 0, got 1.5"):
+        DPModel(model, 1.0, 1.0, 8, seed=1.5)
+    with pytest.raises(ValueError, match=r"loss is the string 'sparse_categorical_crossentropy'.*"
+                                         r"SparseCategoricalCrossentropy\(reduction=None\)"):
+        DPModel(model, 1.0, 1.0, 8).compile(optimizer="sgd",
+                                            loss="sparse_categorical_crossentropy")
+    dp = DPModel(model, 1.0, 1.0, 8, seed=0)
+    dp.compile(optimizer="sgd", loss=LOSS)
+    x, _ = batch_for("mlp", 8)
+    with pytest.raises(ValueError, match=r"DPModel.fit got y=None; DP-SGD needs inputs x and one "
+                                         r"target per example y"):
+        dp.fit(x, epochs=1, verbose=0)

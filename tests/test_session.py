@@ -5,6 +5,7 @@ import sys
 import pytest
 
 import gradtut
+from gradtut.session import child_command, child_result, run_in_subprocess
 from model_zoo import TEST_VIRTUAL_CPUS
 
 AS_CONFTEST = {"virtual_cpus": TEST_VIRTUAL_CPUS}
@@ -116,3 +117,33 @@ def test_captured_stderr_keeps_what_it_caught_when_the_block_raises():
             os.write(2, b"before the error\n")
             raise ValueError("boom")
     assert said.text == "before the error\n"
+
+
+def test_run_in_subprocess_returns_the_result_and_reports_failures():
+    assert run_in_subprocess("json", "loads", {"s": "[1, 2]"}) == [1, 2]
+    with pytest.raises(RuntimeError, match=r"(?s)json.loads failed \(exit 1\):\n.*JSONDecodeError"):
+        run_in_subprocess("json", "loads", {"s": "{"})
+    with pytest.raises(RuntimeError, match="signal.pause did not finish within 1 s"):
+        run_in_subprocess("signal", "pause", timeout_s=1)
+
+
+def test_the_child_protocol_round_trips_and_refuses_bad_arguments():
+    command = child_command("json", "dumps", {"obj": {"a": [1, 2]}})
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True)
+    assert child_result(proc.stdout) == ("", '{"a": [1, 2]}')
+    assert child_result("no result here") == ("no result here", None)
+    with pytest.raises(ValueError, match="must be JSON-serialisable"):
+        child_command("json", "dumps", {"obj": object()})
+    with pytest.raises(ValueError, match="module must be a non-empty name"):
+        run_in_subprocess("", "dumps")
+    with pytest.raises(ValueError, match="timeout_s must be a positive number"):
+        run_in_subprocess("json", "dumps", {"obj": 1}, timeout_s=0)
+    with pytest.raises(ValueError, match="decode bytes first"):
+        child_result(b"\n@@RESULT@@1")
+
+
+def test_allocator_has_stats_names_a_bad_device():
+    from gradtut.session import allocator_has_stats
+    assert allocator_has_stats("CPU:0") is True  # the tests run after gradtut.setup()
+    with pytest.raises(ValueError, match="device must be a device name"):
+        allocator_has_stats(0)

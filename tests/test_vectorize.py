@@ -7,8 +7,8 @@ import pytest
 import tensorflow as tf
 
 from gradtut.checks import assert_gradients_close
-from gradtut.vectorize import (batch_jacobian, completeness_gap, input_gradients,
-                               integrated_gradients, vectorization_report)
+from gradtut.vectorize import (VectorizationReport, batch_jacobian, completeness_gap,
+                               input_gradients, integrated_gradients, vectorization_report)
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -216,3 +216,128 @@ def test_integrated_gradients_reject_bad_input():
 def test_vectorization_report_rejects_an_empty_batch():
     with pytest.raises(ValueError, match="elems is empty"):
         vectorization_report(lambda v: v, tf.zeros([0, 3]))
+
+
+class CumsumOverBatch(keras.layers.Layer):
+    """Example b's output is the sum of examples 0..b: example 0 alone is unchanged, so a
+    check of example 0 alone does not see the mixing."""
+
+    def call(self, x):
+        return tf.cumsum(x, axis=0)
+
+
+def cumsum_model():
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([keras.Input((12,)), CumsumOverBatch(), keras.layers.Dense(3)])
+
+
+def test_a_model_that_sums_over_the_batch_is_refused():
+    mixing = cumsum_model()
+    x = inputs("mlp", 5)
+    message = "mixes examples across the batch.*batch_size=1"
+    with pytest.raises(ValueError, match=message):
+        input_gradients(mixing, x, target=0)
+    with pytest.raises(ValueError, match=message):
+        batch_jacobian(mixing, x, batch_size=2)
+    with pytest.raises(ValueError, match=message):
+        integrated_gradients(mixing, x, target=0, steps=2)
+    with pytest.raises(ValueError, match=message):
+        completeness_gap(mixing, x, np.zeros_like(x), target=0)
+
+
+@pytest.mark.parametrize("layer", [CumsumOverBatch, MixesTheBatch])
+def test_batch_size_one_computes_each_example_alone_as_the_refusal_advises(layer):
+    keras.utils.set_random_seed(2)
+    mixing = keras.Sequential([keras.Input((12,)), layer(), keras.layers.Dense(3, activation="tanh")])
+    x = inputs("mlp", 4, seed=3)
+    expected = tape_per_example(mixing, x, lambda out, i: out[1])  # each example alone
+    assert_gradients_close(input_gradients(mixing, x, target=1, batch_size=1), expected, **TOL)
+    jac = batch_jacobian(mixing, x, batch_size=1)
+    assert_gradients_close(jac[:, 1], expected, **TOL)
+
+
+def test_what_is_not_a_model_is_refused_and_a_plain_function_is_accepted():
+    x = inputs("mlp", 3)
+    layers = [keras.layers.Dense(2)]
+    with pytest.raises(TypeError, match=r"model must be a Keras model.*got list.*keras.Sequential\(layers\)"):
+        input_gradients(layers, x, target=0)
+    with pytest.raises(TypeError, match=r"got str; pass a Keras model"):
+        batch_jacobian("mlp", x)
+
+    def no_training_argument(v):
+        return model("mlp")(v)
+
+    with pytest.raises(TypeError, match=r"does not take those arguments.*lambda x, training=False"):
+        integrated_gradients(no_training_argument, x, target=0)
+    # documented: any callable model(x, training=False) is fine
+    function = lambda v, training=False: model("mlp")(v, training=training)  # noqa: E731
+    assert_gradients_close(input_gradients(function, x, target=2),
+                           input_gradients(model("mlp"), x, target=2), **TOL)
+    with pytest.raises(TypeError, match=r"model must be a Keras model or a callable"):
+        completeness_gap(None, x, np.zeros_like(x), target=0)
+
+
+@pytest.mark.parametrize("batch_size, message", [
+    (True, r"batch_size must be a positive int, got True \(a bool\).*or None"),
+    (2.0, r"got 2.0 \(float\)"), ("4", r"got '4' \(str\)"), (-1, "got -1"),
+])
+def test_batch_size_must_be_an_int_or_none(batch_size, message):
+    x = inputs("mlp", 3)
+    with pytest.raises(ValueError, match=message):
+        input_gradients(model("mlp"), x, target=0, batch_size=batch_size)
+    with pytest.raises(ValueError, match=message):
+        batch_jacobian(model("mlp"), x, batch_size=batch_size)
+
+
+def test_numpy_ints_are_counts():
+    x = inputs("mlp", 5)
+    assert_gradients_close(input_gradients(model("mlp"), x, target=1, batch_size=np.int64(2)),
+                           input_gradients(model("mlp"), x, target=1), **TOL)
+    assert_gradients_close(integrated_gradients(model("mlp"), x, target=1, steps=np.int32(3)),
+                           integrated_gradients(model("mlp"), x, target=1, steps=3), **TOL)
+
+
+def test_bad_steps_x_and_attributions_are_refused():
+    x = inputs("mlp", 2)
+    with pytest.raises(ValueError, match=r"steps must be a positive int, got 4.0 \(float\)"):
+        integrated_gradients(model("mlp"), x, target=0, steps=4.0)
+    with pytest.raises(ValueError, match=r"steps must be a positive int, got True \(a bool\)"):
+        integrated_gradients(model("mlp"), x, target=0, steps=True)
+    with pytest.raises(ValueError, match="x is None; pass the float inputs"):
+        input_gradients(model("mlp"), None, target=0)
+    with pytest.raises(ValueError, match="x is a symbolic Keras tensor"):
+        batch_jacobian(model("mlp"), keras.Input((12,)))
+    with pytest.raises(ValueError, match="attributions is None; pass the result of integrated"):
+        completeness_gap(model("mlp"), x, None, target=0)
+
+
+def test_calls_inside_a_tf_function_are_refused_with_the_fix():
+    @tf.function(input_signature=[tf.TensorSpec([None, 12])])
+    def traced(v):
+        return input_gradients(model("mlp"), v, target=0)
+
+    with pytest.raises(ValueError, match="input_gradients runs eagerly.*Call it outside the tf.function"):
+        traced(tf.constant(inputs("mlp", 3)))
+
+
+def test_vectorization_report_refuses_scalars_and_other_bad_elems():
+    with pytest.raises(ValueError, match="elems holds a scalar, which has no leading axis"):
+        vectorization_report(lambda v: v * 2, tf.constant(3.0))
+    with pytest.raises(ValueError, match="elems holds a scalar"):
+        vectorization_report(lambda e: e[0] * e[1], (tf.ones([3]), 2.0))
+    with pytest.raises(ValueError, match=r"different leading dimensions \[2, 3\]"):
+        vectorization_report(lambda e: e[0], (tf.ones([3, 2]), tf.ones([2])))
+    with pytest.raises(ValueError, match="elems is None"):
+        vectorization_report(lambda v: v, None)
+    with pytest.raises(TypeError, match="fn must be a function of one element, got .*Tensor"):
+        vectorization_report(tf.ones([3]), tf.ones([3]))
+
+
+def test_a_report_that_contradicts_itself_is_refused():
+    assert VectorizationReport(False, ["Conv2DBackpropFilter"], [], None).fallback_ops
+    with pytest.raises(ValueError, match=r"vectorized=True contradicts fallback_ops=\['Conv2D"):
+        VectorizationReport(True, ["Conv2DBackpropFilter"], [], None)
+    with pytest.raises(ValueError, match="fallback_ops must be a list of op type names"):
+        VectorizationReport(False, "Conv2DBackpropFilter", [], None)
+    with pytest.raises(ValueError, match="vectorized must be a bool, got 1"):
+        VectorizationReport(1, [], [], None)

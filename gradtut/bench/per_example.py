@@ -1,24 +1,15 @@
-"""Benchmark of per-example gradient methods against the batch gradient (notebook 01).
-
-Run it as a script for your own hardware::
-
-    python -m gradtut.bench_per_example --batch-sizes 32 256 1024 --repeats 7
+"""Per-example gradient methods and a DP-SGD step timed against the batch gradient and a plain
+step (notebook 01, and the ``per_example`` section of ``python -m gradtut bench``).
 
 Every figure is a median over ``repeats`` interleaved rounds, and every ratio is against the
 plain batch gradient (one backward pass of the mean loss) measured in the same rounds.
 """
-import argparse
-
-if __name__ == "__main__":  # start TensorFlow quietly, with gradtut's settings, before it imports
-    import gradtut
-
-    gradtut.setup(seed=0)
-
 import keras
 import numpy as np
 import tensorflow as tf
 
-from gradtut.benchmark import compare_timings, format_table
+from gradtut.checks import check_int
+from gradtut.measure import compare_timings
 from gradtut.per_example import (clipped_gradient, per_example_gradient_norms,
                                  per_example_gradients)
 
@@ -28,15 +19,24 @@ SLOW = ("loop", "jacobian")
 REFERENCE = "batch gradient"
 
 
+def _check_sizes(**sizes):
+    for name, value in sizes.items():
+        check_int(value, name, minimum=0 if name == "seed" else 1)
+
+
 def mlp(input_dim=784, hidden=256, classes=10, seed=0):
-    """The benchmark model: Dense(hidden, relu) -> Dense(classes) logits, built on ``input_dim``."""
+    """The benchmark model: Dense(hidden, relu) -> Dense(classes) logits, built on ``input_dim``.
+    (Every size is a positive int, ``seed`` an int >= 0; ValueError otherwise.)"""
+    _check_sizes(input_dim=input_dim, hidden=hidden, classes=classes, seed=seed)
     keras.utils.set_random_seed(seed)
     return keras.Sequential([keras.Input((input_dim,)), keras.layers.Dense(hidden, activation="relu"),
                              keras.layers.Dense(classes)])
 
 
 def cnn(classes=10, seed=0):
-    """A small CNN on 8x8x1 digit images: two convolutions (the second strided), then Dense."""
+    """A small CNN on 8x8x1 digit images: two convolutions (the second strided), then Dense.
+    (``classes`` a positive int, ``seed`` an int >= 0; ValueError otherwise.)"""
+    _check_sizes(classes=classes, seed=seed)
     keras.utils.set_random_seed(seed)
     return keras.Sequential([
         keras.Input((8, 8, 1)),
@@ -49,7 +49,12 @@ def cnn(classes=10, seed=0):
 def transformer(classes=10, seed=0, width=32, heads=2):
     """A tiny transformer on 8x8 digit images read as 8 tokens of 8 pixels: a token embedding,
     one pre-norm block (multi-head attention, LayerNormalization, a feed-forward block),
-    mean pooling, Dense logits."""
+    mean pooling, Dense logits. (Sizes positive ints, ``seed`` an int >= 0, and ``width``
+    divisible by ``heads``; ValueError otherwise.)"""
+    _check_sizes(classes=classes, seed=seed, width=width, heads=heads)
+    if width % heads:
+        raise ValueError(f"width {width} does not split into {heads} heads: choose a width "
+                         "divisible by heads")
     keras.utils.set_random_seed(seed)
     tokens = keras.Input((8, 8))
     h = keras.layers.Dense(width)(tokens)
@@ -62,6 +67,13 @@ def transformer(classes=10, seed=0, width=32, heads=2):
 
 
 MODELS = {"mlp": ((784,), mlp), "cnn": ((8, 8, 1), cnn), "transformer": ((8, 8), transformer)}
+
+
+def _model_entry(model):
+    """``(input shape, builder)`` of a benchmark model by name, or a clear error."""
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")
+    return MODELS[model]
 
 
 def _batch_gradient_fn(model, loss_fn):
@@ -112,9 +124,7 @@ def benchmark_per_example(batch_sizes=(32, 256, 1024), methods=ALL, repeats=5,
     unknown = set(methods) - set(ALL)
     if unknown:
         raise ValueError(f"unknown methods {sorted(unknown)}; choose from {ALL}")
-    if model not in MODELS:
-        raise ValueError(f"unknown model {model!r}; choose from {sorted(MODELS)}")
-    shape, build = MODELS[model]
+    shape, build = _model_entry(model)
     if model == "mlp":
         shape, net = (input_dim,), mlp(input_dim, hidden, classes)
     else:
@@ -156,10 +166,14 @@ def benchmark_dp_step(model="mlp", batch_size=256, repeats=7, noise_multiplier=1
     Returns:
       dict ``{"model", "batch_size", "median_ms", "reference_ms", "ratio", "no_noise_ms",
       "no_noise_ratio", "parameters"}``.
+
+    Raises:
+      ValueError: an unknown model, or a size or count that is not a positive int.
     """
     from gradtut.privacy import DPModel  # pylint: disable=import-outside-toplevel
 
-    shape, build = MODELS[model]
+    shape, build = _model_entry(model)
+    batch_size, repeats = check_int(batch_size, "batch_size"), check_int(repeats, "repeats")
     rng = np.random.default_rng(0)
     x = rng.normal(size=(batch_size, *shape)).astype("float32")
     y = rng.integers(0, 10, size=batch_size)
@@ -185,25 +199,3 @@ def benchmark_dp_step(model="mlp", batch_size=256, repeats=7, noise_multiplier=1
             "reference_ms": timings[0].median_ms, "ratio": dp.ratio,
             "no_noise_ms": quiet.median_ms, "no_noise_ratio": quiet.ratio,
             "parameters": int(sum(np.prod(v.shape) for v in private.model.trainable_variables))}
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[32, 256, 1024])
-    parser.add_argument("--methods", nargs="+", default=list(ALL), choices=ALL)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--slow-max-batch", type=int, default=None,
-                        help="skip the loop and jacobian above this batch size (default: never)")
-    args = parser.parse_args(argv)
-    import gradtut
-
-    info = gradtut.setup(seed=0)  # a no-op when run as a script: it already ran above
-    rows = benchmark_per_example(args.batch_sizes, args.methods, args.repeats,
-                                 slow_max_batch=args.slow_max_batch)
-    print(f"TensorFlow {info['tensorflow']}, Keras {info['keras']}, "
-          f"BFC allocator: {info['bfc_allocator']}, devices: {info['devices']}")
-    print(format_table(rows, ["method", "batch_size", "median_ms", "ratio"]))
-
-
-if __name__ == "__main__":
-    main()

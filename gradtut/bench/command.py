@@ -20,7 +20,6 @@ import datetime
 import json
 import os
 import platform
-import sys
 import time
 
 SECTIONS = ("per_example", "input_gradients", "data_parallel", "pipeline", "efficiency")
@@ -45,7 +44,7 @@ def _default_device():
 def _per_example(quick):
     import gradtut
     gradtut.setup(seed=0)
-    from gradtut.bench_per_example import ALL, benchmark_dp_step, benchmark_per_example
+    from gradtut.bench.per_example import ALL, benchmark_dp_step, benchmark_per_example
 
     methods = ["vectorized", "outer", "ghost norms", "clipped"] if quick else list(ALL)
     rows = benchmark_per_example([256] if quick else [32, 256, 1024], methods,
@@ -75,7 +74,7 @@ def _input_gradients(quick):
     import keras
     import numpy as np
 
-    from gradtut.bench_vectorize import input_gradient_benchmark
+    from gradtut.bench.input_gradients import input_gradient_benchmark
 
     keras.utils.set_random_seed(0)
     model = keras.Sequential([
@@ -125,7 +124,7 @@ def _pipeline(quick):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(batch, width)).astype("float32")
     y = rng.integers(0, 10, batch)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
     counts = (1, 4) if quick else (1, 2, 4, 8, 16)
     runs = {m: [] for m in counts}
     for m in counts:
@@ -181,9 +180,11 @@ def _efficiency(quick):
     for mode in ("tf.function", "xla"):
         rows.append(_row(f"gradient step, {mode}", compiled[mode]["median_ms"], "ms",
                          compiled[mode]["ratio"], "eager"))
-    full = peak_memory(accumulated_gradients, model, loss_fn, x, y, batch)
+    per_example_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                                  reduction=None)
+    full = peak_memory(accumulated_gradients, model, per_example_loss, x, y, batch)
     for size in (batch // 8, batch // 2):
-        peak = peak_memory(accumulated_gradients, model, loss_fn, x, y, size)
+        peak = peak_memory(accumulated_gradients, model, per_example_loss, x, y, size)
         rows.append(_row(f"accumulation, micro-batch {size} of {batch}", peak / 1e6, "MB peak",
                          peak / full, "one batch"))
 
@@ -195,7 +196,7 @@ def _efficiency(quick):
             return tape.gradient(loss, model.trainable_variables)
         return step
 
-    from gradtut.benchmark import compare_timings
+    from gradtut.measure import compare_timings
 
     segments = int(round((depth + 1) ** 0.5))
     plain, checkpoint = step_with(model), step_with(checkpointed(model.layers, segments))
@@ -210,7 +211,13 @@ def _efficiency(quick):
 
 
 def run_section(name, quick):
-    """Run one section in this process (meant for a fresh one); returns its JSON result."""
+    """Run one section in this process (meant for a fresh one); returns its JSON result.
+
+    Raises:
+      ValueError: ``name`` is not one of ``SECTIONS``.
+    """
+    if name not in SECTIONS:
+        raise ValueError(f"unknown section {name!r}; choose from {', '.join(SECTIONS)}")
     start = time.perf_counter()
     device, rows = globals()["_" + name](quick)
     return {"device": device, "seconds": time.perf_counter() - start, "rows": rows}
@@ -257,7 +264,13 @@ def _parser():
     return parser
 
 
-def _prepare_out(parser, out):
+def output_folder(out=None):
+    """Create (if needed) and return the folder the results go to: ``out``, or a new folder
+    ``gradtut-bench-DATE-TIME`` in the current directory.
+
+    Raises:
+      ValueError: the folder cannot be created or written to (the message says why).
+    """
     if out is None:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         out, n = f"gradtut-bench-{stamp}", 1
@@ -271,29 +284,25 @@ def _prepare_out(parser, out):
             pass
         os.remove(probe)
     except OSError as err:
-        parser.error(f"cannot write to --out {out!r}: {err.strerror or err}")
+        raise ValueError(f"cannot write to --out {out!r}: {err.strerror or err}") from None
     return out
 
 
-def _plot(name, section, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = section["rows"]
-    fig, ax = plt.subplots(figsize=(8, 0.6 + 0.45 * len(rows)))
-    ax.barh([r["measurement"] for r in rows], [r["ratio"] for r in rows], color="tab:blue")
-    ax.axvline(1.0, color="black", linewidth=1)
-    ax.invert_yaxis()
-    ax.set_xlabel("ratio to the reference (1 = as fast / as large)")
-    ax.set_title(f"{name} on {section['device']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def format_results(results):
-    """The results as a text table, one line per measurement."""
+    """The results as a text table, one line per measurement.
+
+    Raises:
+      ValueError: ``results`` is not what :func:`main` writes (no ``"sections"``, or a row
+        without one of ``ROW_KEYS``).
+    """
+    if not isinstance(results, dict) or not isinstance(results.get("sections"), dict):
+        raise ValueError("results must be the dict python -m gradtut bench writes to "
+                         "results.json, with a 'sections' dict")
+    for section in results["sections"].values():
+        for r in section.get("rows", []):
+            missing = [k for k in ROW_KEYS if k not in r]
+            if missing:
+                raise ValueError(f"a row of results is missing {missing}: {r}")
     lines = [f"{'section':16s} {'measurement':42s} {'median':>9s} {'unit':12s} {'ratio':>7s}  "
              "reference"]
     for name, section in results["sections"].items():
@@ -313,13 +322,17 @@ def main(argv=None):
     unknown = [s for s in args.sections if s not in SECTIONS]
     if unknown:
         parser.error(f"unknown section {unknown[0]!r}; choose from {', '.join(SECTIONS)}")
-    out = _prepare_out(parser, args.out)
+    try:
+        out = output_folder(args.out)
+    except ValueError as err:
+        parser.error(str(err))
 
     import gradtut
     info = gradtut.setup(seed=0)
     import tensorflow as tf
 
-    from gradtut.benchmark import run_in_subprocess
+    from gradtut.plots import plot_ratios
+    from gradtut.session import run_in_subprocess
 
     results = {"created": datetime.datetime.now().isoformat(timespec="seconds"),
                "quick": args.quick, "hardware": hardware(), "python": platform.python_version(),
@@ -333,7 +346,7 @@ def main(argv=None):
         print(f"[{i}/{len(args.sections)}] {name} ...", end=" ", flush=True)
         start = time.perf_counter()
         try:
-            section = run_in_subprocess("gradtut.bench", "run_section",
+            section = run_in_subprocess("gradtut.bench.command", "run_section",
                                         {"name": name, "quick": args.quick},
                                         timeout_s=600 if args.quick else 3600)
         except RuntimeError as err:
@@ -342,7 +355,10 @@ def main(argv=None):
             section = {"error": " ".join(dict.fromkeys([lines[0], lines[-1]]))}
             print(f"failed: {section['error']}", flush=True)
         else:
-            _plot(name, section, os.path.join(out, f"{name}.png"))
+            import matplotlib
+            matplotlib.use("Agg")  # files only, no window
+            plot_ratios(section["rows"], f"{name} on {section['device']}",
+                        os.path.join(out, f"{name}.png"))
             print(f"done in {time.perf_counter() - start:.0f} s on {section['device']}",
                   flush=True)
         results["sections"][name] = section
@@ -352,6 +368,3 @@ def main(argv=None):
     print(f"wrote {os.path.join(out, 'results.json')} and one PNG per section")
     return 1 if failed else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,16 +2,29 @@
 
 Thread-pool sizes are read once, when TensorFlow's runtime starts, so
 :func:`threading_timings` is meant to run in its own process
-(``gradtut.benchmark.run_in_subprocess``), one call per setting.
+(``gradtut.session.run_in_subprocess``), one call per setting.
 """
+import keras
 import numpy as np
 import tensorflow as tf
 
-from gradtut.benchmark import compare_timings
+from gradtut.checks import check_int
+from gradtut.measure import compare_timings
 
 
-def per_example_input_gradient(model):
-    """``f(x_i) -> d sum(model(x_i)) / d x_i`` for one example without its batch dimension."""
+def _check_model(model):
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"model must be a Keras model, got {type(model).__name__}: wrap layers "
+                        "in keras.Sequential([...])")
+
+
+def make_per_example_input_gradient(model):
+    """``f(x_i) -> d sum(model(x_i)) / d x_i`` for one example without its batch dimension.
+
+    Raises:
+      TypeError: ``model`` is not a Keras model.
+    """
+    _check_model(model)
 
     def gradient(xi):
         xi = tf.convert_to_tensor(xi)[None]
@@ -23,8 +36,13 @@ def per_example_input_gradient(model):
     return gradient
 
 
-def batched_input_gradient(model):
-    """A ``tf.function`` ``x -> d sum(model(x)) / d x``: every example's input gradient at once."""
+def make_batched_input_gradient(model):
+    """A ``tf.function`` ``x -> d sum(model(x)) / d x``: every example's input gradient at once.
+
+    Raises:
+      TypeError: ``model`` is not a Keras model.
+    """
+    _check_model(model)
 
     @tf.function
     def batched(v):
@@ -42,8 +60,17 @@ def map_fn_timings(model, x, parallel_iterations=(1, 2, 4, 10), repeats=5, eager
     Returns dict ``{label: Timing}`` for eager (if asked) and each ``parallel_iterations`` in a
     ``tf.function``, plus ``"vectorized_map"`` and ``"one batched pass"``, all timed in the same
     interleaved rounds; ratios are against the eager map_fn (or the first graph variant).
+
+    Raises:
+      TypeError: ``model`` is not a Keras model.
+      ValueError: ``x`` has no examples, a ``parallel_iterations`` or ``repeats`` that is not a
+        positive int.
     """
-    one = per_example_input_gradient(model)
+    parallel_iterations = [check_int(p, "parallel_iterations") for p in parallel_iterations]
+    repeats = check_int(repeats, "repeats")
+    if not len(x):
+        raise ValueError("x has no examples: pass a batch of at least one")
+    one = make_per_example_input_gradient(model)
     x = tf.convert_to_tensor(x)
     calls = {}
     if eager:
@@ -53,7 +80,7 @@ def map_fn_timings(model, x, parallel_iterations=(1, 2, 4, 10), repeats=5, eager
         calls[f"map_fn, tf.function, parallel_iterations={p}"] = lambda fn=fn: fn(x)
     vectorized = tf.function(lambda v: tf.vectorized_map(one, v))
     calls["vectorized_map"] = lambda: vectorized(x)
-    batched = batched_input_gradient(model)
+    batched = make_batched_input_gradient(model)
     calls["one batched pass"] = lambda: batched(x)
     return compare_timings(calls, reference=next(iter(calls)), warmup=1, repeats=repeats)
 
@@ -69,22 +96,28 @@ def threading_timings(intra_op=None, inter_op=None, batch=256, features=1024, re
       single large op); ``"batched_ms"``, per-example input gradients of an MLP
       (``features``-1024-10) on ``batch`` examples as one batched computation; ``"map_fn_ms"``,
       the same as ``tf.map_fn`` with ``parallel_iterations=10`` in a ``tf.function``.
+
+    Raises:
+      ValueError: a thread count, size or ``repeats`` that is not a positive int.
     """
+    for name, value in (("intra_op", intra_op), ("inter_op", inter_op)):
+        if value is not None:
+            check_int(value, name)
+    for name, value in (("batch", batch), ("features", features), ("repeats", repeats)):
+        check_int(value, name)
     if intra_op is not None:
         tf.config.threading.set_intra_op_parallelism_threads(intra_op)
     if inter_op is not None:
         tf.config.threading.set_inter_op_parallelism_threads(inter_op)
-    import keras
-
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((features,)), keras.layers.Dense(1024, activation="tanh"),
                               keras.layers.Dense(10)])
     x = tf.constant(np.random.default_rng(0).normal(size=(batch, features)).astype("float32"))
-    one = per_example_input_gradient(model)
+    one = make_per_example_input_gradient(model)
     square = tf.random.stateless_normal([2048, 2048], seed=[0, 0])
     matmul = tf.function(lambda: tf.matmul(square, square))
     mapped = tf.function(lambda v: tf.map_fn(one, v, parallel_iterations=10))
-    batched = batched_input_gradient(model)
+    batched = make_batched_input_gradient(model)
     timings = compare_timings({"matmul": matmul, "batched": lambda: batched(x),
                                "map_fn": lambda: mapped(x)}, warmup=1, repeats=repeats)
     return {"intra_op": intra_op or "default", "inter_op": inter_op or "default",

@@ -3,14 +3,10 @@ import subprocess
 import sys
 import time
 
-import matplotlib
 import pytest
 import tensorflow as tf
 
-from gradtut.benchmark import (compare_timings, format_table, peak_memory_bytes,
-                               plot_method_vs_batch, run_in_subprocess, time_callable)
-
-matplotlib.use("Agg")
+from gradtut.measure import compare_timings, format_table, peak_memory_bytes, time_callable
 
 
 def test_time_callable_reports_median_and_spread():
@@ -36,12 +32,30 @@ def test_compare_timings_counts_warmups_and_repeats():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"callables": {}}, "nothing to time"),
-    ({"callables": {"f": int}, "repeats": 0}, "repeats >= 1"),
+    ({"callables": {"f": int}, "repeats": 0}, "repeats must be a positive int"),
+    ({"callables": {"f": int}, "repeats": True}, "repeats must be a positive int"),
+    ({"callables": {"f": int}, "warmup": -1}, "warmup must be an int >= 0"),
     ({"callables": {"f": int}, "reference": "g"}, "reference 'g' is not one of"),
 ])
 def test_compare_timings_rejects_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         compare_timings(**kwargs)
+
+
+def test_measuring_something_that_is_not_callable_says_so():
+    with pytest.raises(TypeError, match=r"\['x'\] are not callable"):
+        compare_timings({"x": 3})
+    with pytest.raises(TypeError, match="fn must be callable"):
+        time_callable(None)
+    with pytest.raises(TypeError, match="fn must be callable"):
+        peak_memory_bytes(tf.zeros([4]))
+
+
+def test_format_table_refuses_no_columns_and_rows_that_are_not_dicts():
+    with pytest.raises(ValueError, match="columns must be a non-empty list"):
+        format_table([{"a": 1}], "a")
+    with pytest.raises(ValueError, match="rows must be dicts"):
+        format_table([("a", 1)], ["a"])
 
 
 def test_peak_memory_sees_a_temporary_buffer():
@@ -56,7 +70,7 @@ def test_peak_memory_sees_a_temporary_buffer():
 
 def test_peak_memory_without_allocator_stats_says_how_to_fix():
     # With oneDNN off, TensorFlow's default CPU allocator keeps no statistics.
-    code = ("import tensorflow as tf; from gradtut.benchmark import peak_memory_bytes; "
+    code = ("import tensorflow as tf; from gradtut.measure import peak_memory_bytes; "
             "peak_memory_bytes(lambda: tf.ones(3))")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TF_")}
     env.update(TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0")
@@ -66,39 +80,9 @@ def test_peak_memory_without_allocator_stats_says_how_to_fix():
     assert "TF_CPU_ALLOCATOR_USE_BFC=true" in proc.stderr
 
 
-def test_run_in_subprocess_returns_the_result_and_reports_failures():
-    assert run_in_subprocess("json", "loads", {"s": "[1, 2]"}) == [1, 2]
-    with pytest.raises(RuntimeError, match=r"(?s)json.loads failed \(exit 1\):\n.*JSONDecodeError"):
-        run_in_subprocess("json", "loads", {"s": "{"})
-    with pytest.raises(RuntimeError, match="signal.pause did not finish within 1 s"):
-        run_in_subprocess("signal", "pause", timeout_s=1)
 
 
 def test_format_table_aligns_columns():
     text = format_table([{"method": "batch", "ms": 4.0}, {"method": "vectorized", "ms": 21.345}],
                         ["method", "ms"])
     assert text.splitlines() == ["method      ms", "batch       4", "vectorized  21.3"]
-
-
-def test_plot_draws_one_line_per_method():
-    rows = [{"method": m, "batch_size": b, "median_ms": float(b * k)}
-            for k, m in enumerate(["a", "b"], 1) for b in (32, 64)]
-    ax = plot_method_vs_batch(rows)
-    assert [line.get_label() for line in ax.get_lines()] == ["a", "b"]
-    assert list(ax.get_lines()[1].get_ydata()) == [64.0, 128.0]
-    assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title()
-
-
-def test_benchmark_helpers_reject_bad_arguments():
-    import keras
-    import numpy as np
-
-    from gradtut.bench_per_example import benchmark_per_example
-    from gradtut.bench_vectorize import input_gradient_benchmark
-
-    with pytest.raises(ValueError, match=r"unknown methods \['fastest'\]"):
-        benchmark_per_example(batch_sizes=(4,), methods=("outer", "fastest"))
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-    with pytest.raises(ValueError, match="x has 8 examples; the largest batch size is 32"):
-        input_gradient_benchmark(model, np.zeros((8, 3), "float32"), np.zeros(8, "int64"),
-                                 batch_sizes=(4, 32))

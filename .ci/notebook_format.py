@@ -1,7 +1,8 @@
 """Canonical JSON for stored notebooks, so diffs show content changes only.
 
-Usage: ``python -m gradtut.notebook_format notebooks/*.ipynb`` rewrites each file in place;
-``tests/test_notebooks.py`` checks that every stored notebook already is in this form.
+Repository tooling, not part of the package. Usage: ``python .ci/notebook_format.py
+notebooks/*.ipynb`` rewrites each file in place (``.ci/execute-notebooks`` runs it after
+executing); ``tests/test_notebooks.py`` checks that every stored notebook already is in this form.
 """
 import json
 import sys
