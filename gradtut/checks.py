@@ -7,6 +7,7 @@ with its slow, obviously-correct reference.
 import collections.abc
 import math
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -243,3 +244,169 @@ def check_seed(seed, name="seed", allow_none=True):
     if seed >= 2**63:
         raise ValueError(f"{name} must be below 2**63 (TensorFlow's int64), got {seed}")
     return seed
+
+
+# --- the inputs every gradient function takes: model, loss, batch --------------------------
+
+def batch_size_of(nest, what):
+    """The common leading dimension of the tensors in ``nest``: an int, or None when every
+    tensor is traced with an unknown batch size (a ``tf.function`` with ``None`` batch).
+
+    Raises:
+      ValueError: no tensors, a scalar, or tensors with different batch sizes; ``what`` names
+        the argument in the message.
+
+    Example:
+      >>> batch_size_of({"a": tf.zeros((4, 2)), "b": tf.zeros((4,))}, "x")
+      4
+    """
+    shapes = [t.shape for t in tf.nest.flatten(nest)]
+    if not shapes:
+        raise ValueError(f"{what} holds no tensors; pass a batch [B, ...] (or a nest of them)")
+    if any(shape.rank == 0 for shape in shapes):
+        raise ValueError(f"{what} must have a leading batch dimension; got a scalar (a Python "
+                         "list is a nest of separate tensors: pass np.asarray(...) for a batch)")
+    sizes = {shape[0] if shape.rank is not None else None for shape in shapes}
+    known = sizes - {None}
+    if len(known) > 1:
+        raise ValueError(f"the tensors in {what} have different batch sizes {sorted(known)}")
+    return known.pop() if known else None
+
+
+def as_tensors(nest):
+    """``nest`` with every leaf a tensor; float64 arrays (NumPy's default) become Keras's
+    float type, so they mix with the model's weights.
+
+    Raises:
+      ValueError: a leaf TensorFlow cannot convert (the message names it).
+
+    Example:
+      >>> as_tensors(np.zeros(2)).dtype
+      tf.float32
+    """
+    def convert(value):
+        try:
+            t = tf.convert_to_tensor(value)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"cannot turn {type(value).__name__} into a tensor ({err}); pass "
+                             "NumPy arrays or tensors") from None
+        if t.dtype == tf.float64 and keras.backend.floatx() != "float64":
+            t = tf.cast(t, keras.backend.floatx())  # NumPy's default; Keras computes in floatx
+        return t
+
+    return tf.nest.map_structure(convert, nest)
+
+
+def check_present(value, name):
+    """Refuse None for ``x`` or ``y`` (or inside their nests), naming the fix.
+
+    Example:
+      >>> check_present(None, "y")
+      Traceback (most recent call last):
+      ...
+      ValueError: y is None; pass one target per example, [B, ...] like x (for a loss that needs no targets, pass a placeholder such as np.zeros(B) and ignore it in loss_fn)
+    """
+    what = ("the inputs [B, ...]" if name == "x" else "one target per example, [B, ...] "
+            "like x (for a loss that needs no targets, pass a placeholder such as np.zeros(B) "
+            "and ignore it in loss_fn)")
+    if value is None:
+        raise ValueError(f"{name} is None; pass {what}")
+    where = [i for i, t in enumerate(tf.nest.flatten(value)) if t is None]
+    if where:
+        raise ValueError(f"{name} holds None (entries {where} of its flattened nest); pass {what}")
+
+
+def check_keras_model(model, name="model"):
+    """Refuse anything that is not a Keras layer or model, with the fix for what it is (a
+    list of layers, a plain function, anything else): TypeError.
+
+    Example:
+      >>> check_keras_model(keras.layers.Dense(2))  # passes silently
+    """
+    if isinstance(model, keras.layers.Layer):
+        return
+    if isinstance(model, (list, tuple)) and model and all(
+            isinstance(layer, keras.layers.Layer) for layer in model):
+        fix = "wrap the layers in a model: keras.Sequential(layers)"
+    elif callable(model):
+        fix = ("a plain function has no trainable variables to differentiate: put the "
+               "computation in a keras.layers.Layer or keras.Model")
+    else:
+        fix = "pass a built Keras model, e.g. keras.Sequential([keras.Input(...), ...])"
+    raise TypeError(f"{name} must be a Keras model (keras.Model, or any keras.layers.Layer), got "
+                    f"{type(model).__name__}; {fix}")
+
+
+def _loss_class_for(name):
+    """The Keras loss class named by ``name`` (``"mse"`` -> ``"MeanSquaredError"``), or None."""
+    try:
+        found = keras.losses.get(name)
+    except (ValueError, TypeError):
+        return None
+    base = getattr(found, "__name__", None) or type(found).__name__
+    cls = "".join(part[:1].upper() + part[1:] for part in base.split("_"))
+    return cls if isinstance(getattr(keras.losses, cls, None), type) else None
+
+
+def check_loss_fn(loss_fn, name="loss_fn"):
+    """Refuse a loss given by name (ValueError) or anything that cannot be called (TypeError),
+    naming the loss object to pass instead. (Whether it returns one loss per example is
+    checked when it runs: ``gradtut.per_example.per_example_losses``.)
+
+    Example:
+      >>> check_loss_fn("mse")
+      Traceback (most recent call last):
+      ...
+      ValueError: loss_fn is the string 'mse', but per-example gradients need a loss object that returns one loss per example: pass keras.losses.MeanSquaredError(reduction=None), or a function loss_fn(y_true, y_pred) -> [B].
+    """
+    if isinstance(loss_fn, str):
+        cls = _loss_class_for(loss_fn)
+        suggestion = (f"keras.losses.{cls}(reduction=None)" if cls else
+                      "a keras.losses.Loss object with reduction=None")
+        if cls is None or "Crossentropy" in cls:
+            suggestion += " (with from_logits=True if the model outputs logits)"
+        raise ValueError(
+            f"{name} is the string {loss_fn!r}, but per-example gradients need a loss object that "
+            f"returns one loss per example: pass {suggestion}, or a function "
+            "loss_fn(y_true, y_pred) -> [B].")
+    if not callable(loss_fn):
+        raise TypeError(
+            f"{name} must be a callable loss_fn(y_true, y_pred) returning [B] per-example "
+            f"losses, got {loss_fn!r} ({type(loss_fn).__name__}); pass e.g. "
+            "keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)")
+
+
+def check_optimizer(optimizer):
+    """Refuse anything but a Keras optimizer object (TypeError; a name such as ``"sgd"`` works
+    only in ``model.compile``).
+
+    Example:
+      >>> check_optimizer(keras.optimizers.SGD(0.1))  # passes silently
+    """
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"optimizer must be a Keras optimizer object, got {optimizer!r}; pass "
+                        "e.g. keras.optimizers.SGD(0.1) (names such as 'sgd' work only in "
+                        "model.compile)")
+
+
+def checked_batch(x, y):
+    """``(x, y, examples)``: the batch as (nests of) tensors and its size, after refusing None,
+    x and y of different lengths, and an empty batch (ValueError). Inside a ``tf.function``
+    traced with an unknown batch size, ``examples`` is None.
+
+    Example:
+      >>> x, y, examples = checked_batch(np.zeros((3, 2)), np.zeros(3))
+      >>> examples
+      3
+    """
+    check_present(x, "x")
+    check_present(y, "y")
+    x, y = as_tensors(x), as_tensors(y)
+    examples, labels = batch_size_of(x, "x"), batch_size_of(y, "y")
+    if examples is None or labels is None:  # traced with an unknown batch: checked when run
+        return x, y, examples
+    if examples != labels:
+        raise ValueError(f"x has {examples} examples but y has {labels}: they must match")
+    if not examples:
+        raise ValueError("the batch is empty: pass at least one example")
+    return x, y, examples

@@ -20,10 +20,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from gradtut.checks import check_int, check_real, check_seed
-# One set of model, loss and batch checks for the package: gradtut.per_example's.
-from gradtut.per_example import (_batch_size, _check_loss, _check_model_type, _check_present,
-                                 _per_example_losses, _to_tensors)
+from gradtut.checks import (check_int, check_keras_model, check_loss_fn, check_optimizer,
+                            check_real, check_seed, checked_batch)
+from gradtut.per_example import per_example_losses
 from gradtut.session import child_command, child_result
 
 _SUM = tf.distribute.ReduceOp.SUM
@@ -40,13 +39,6 @@ def _check_strategy(strategy):
                         "or tf.distribute.get_strategy() for one device")
 
 
-def _check_optimizer(optimizer):
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(f"optimizer must be a Keras optimizer object, got {optimizer!r}; pass "
-                        "e.g. keras.optimizers.SGD(0.1) (names such as 'sgd' work only in "
-                        "model.compile)")
-
-
 def _check_every_replica_gets_examples(strategy, examples, what):
     replicas = strategy.num_replicas_in_sync
     if examples < replicas:
@@ -59,28 +51,12 @@ def _check_every_replica_gets_examples(strategy, examples, what):
 def _check_step_arguments(strategy, model, loss_fn, optimizer, global_batch_size):
     """What a step factory can check before its first batch; returns ``global_batch_size``."""
     _check_strategy(strategy)
-    _check_model_type(model)
-    _check_loss(loss_fn)
-    _check_optimizer(optimizer)
+    check_keras_model(model)
+    check_loss_fn(loss_fn)
+    check_optimizer(optimizer)
     global_batch_size = check_int(global_batch_size, "global_batch_size")
     _check_every_replica_gets_examples(strategy, global_batch_size, "global_batch_size")
     return global_batch_size
-
-
-def _checked_batch(x, y):
-    """``(x, y, examples)``: the batch as (nests of) tensors and its size, after refusing None,
-    x and y of different lengths, and an empty batch."""
-    _check_present(x, "x")
-    _check_present(y, "y")
-    x, y = _to_tensors(x), _to_tensors(y)
-    examples, labels = _batch_size(x, "x"), _batch_size(y, "y")
-    if examples is None or labels is None:  # traced with an unknown batch: checked when run
-        return x, y, examples
-    if examples != labels:
-        raise ValueError(f"x has {examples} examples but y has {labels}: they must match")
-    if not examples:
-        raise ValueError("the batch is empty: pass at least one example")
-    return x, y, examples
 
 
 # ------------------------------------------------------------------------------- the steps
@@ -93,9 +69,21 @@ def _regularization(model):
     return tf.nn.scale_regularization_loss(tf.add_n(model.losses))
 
 
-def _regularization_gradients(model, replicas=1):
-    """Gradients of the model's losses divided by ``replicas`` (one replica's share), lined up
-    with ``model.trainable_variables``; None for a variable they do not reach."""
+def regularization_gradients(model, replicas=1):
+    """Gradients of the model's losses (weight decay, activity regularisers) divided by
+    ``replicas`` (one replica's share), lined up with ``model.trainable_variables``; None for a
+    variable they do not reach, and all None for a model without such losses.
+
+    Raises:
+      TypeError: ``model`` is not a Keras model. ValueError: ``replicas`` not a positive int.
+
+    Example:
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+      >>> regularization_gradients(model)
+      [None, None]
+    """
+    check_keras_model(model)
+    replicas = check_int(replicas, "replicas")
     if not model.losses:
         return [None] * len(model.trainable_variables)
     with tf.GradientTape() as tape:
@@ -150,7 +138,7 @@ def make_train_step(strategy, model, loss_fn, optimizer, global_batch_size):
     def replica_step(x, y):
         context = tf.distribute.get_replica_context()
         with tf.GradientTape() as tape:
-            losses = _per_example_losses(model, loss_fn, x, y, training=True)
+            losses = per_example_losses(model, loss_fn, x, y, training=True)
             examples = context.all_reduce(_SUM, tf.cast(tf.size(losses), losses.dtype))
             loss = tf.reduce_sum(losses) / tf.maximum(examples, 1.0) + _regularization(model)
         optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
@@ -201,7 +189,7 @@ def _accumulate_on_replica(model, loss_fn, sums, seen, x, y):
     """Add this replica's summed-loss gradient to ``sums`` and its example count to ``seen``;
     return its share of the micro-batch's mean loss over all replicas."""
     with tf.GradientTape() as tape:
-        losses = _per_example_losses(model, loss_fn, x, y, training=True)
+        losses = per_example_losses(model, loss_fn, x, y, training=True)
         total = tf.reduce_sum(losses)
     grads = tape.gradient(total, model.trainable_variables, unconnected_gradients="zero")
     for s, g in zip(sums, grads):
@@ -217,7 +205,7 @@ def _apply_accumulated_on_replica(model, optimizer, sums, seen):
     regularisation gradient, apply (the optimizer sums the replicas), and zero the state."""
     context = tf.distribute.get_replica_context()
     examples = tf.maximum(context.all_reduce(_SUM, seen.read_value()), 1.0)
-    regularization = _regularization_gradients(model, context.num_replicas_in_sync)
+    regularization = regularization_gradients(model, context.num_replicas_in_sync)
     grads = [s.read_value() / examples + (0.0 if r is None else r)
              for s, r in zip(sums, regularization)]
     optimizer.apply(grads, model.trainable_variables)
@@ -313,15 +301,15 @@ def replica_mean_loss_mistake(strategy, model, loss_fn, x, y):
       1.0
     """
     _check_strategy(strategy)
-    _check_model_type(model)
-    _check_loss(loss_fn)
-    x, y, examples = _checked_batch(x, y)
+    check_keras_model(model)
+    check_loss_fn(loss_fn)
+    x, y, examples = checked_batch(x, y)
     _check_every_replica_gets_examples(strategy, examples, "the batch size")
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(examples)
     batch = next(iter(strategy.experimental_distribute_dataset(dataset)))
 
     def replica(xs, ys):
-        losses = _per_example_losses(model, loss_fn, xs, ys, training=True)
+        losses = per_example_losses(model, loss_fn, xs, ys, training=True)
         right = tf.nn.compute_average_loss(losses, global_batch_size=examples)
         return tf.reduce_mean(losses), right
 
@@ -348,12 +336,12 @@ def single_device_step(model, loss_fn, optimizer, x, y):
       >>> round(float(single_device_step(model, loss, keras.optimizers.SGD(0.1), x, y)), 4)
       0.6931
     """
-    _check_model_type(model)
-    _check_loss(loss_fn)
-    _check_optimizer(optimizer)
-    x, y, _ = _checked_batch(x, y)
+    check_keras_model(model)
+    check_loss_fn(loss_fn)
+    check_optimizer(optimizer)
+    x, y, _ = checked_batch(x, y)
     with tf.GradientTape() as tape:
-        loss = tf.reduce_mean(_per_example_losses(model, loss_fn, x, y, training=True))
+        loss = tf.reduce_mean(per_example_losses(model, loss_fn, x, y, training=True))
         if model.losses:
             loss += tf.add_n(model.losses)
     optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)

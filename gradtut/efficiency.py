@@ -19,10 +19,11 @@ import numpy as np
 import tensorflow as tf
 
 from gradtut import data_parallel
-from gradtut.checks import check_int, check_real
-from gradtut.data_parallel import _checked_batch, _regularization_gradients
+from gradtut.checks import (check_int, check_keras_model, check_loss_fn, check_real,
+                            checked_batch)
+from gradtut.data_parallel import regularization_gradients
 from gradtut.measure import compare_timings, peak_memory_bytes
-from gradtut.per_example import _check_loss, _check_model_type, _per_example_losses
+from gradtut.per_example import per_example_losses
 from gradtut.session import allocator_has_stats, run_in_subprocess
 
 
@@ -48,7 +49,7 @@ def _summed_gradient_fn(model, loss_fn):
         @tf.function(reduce_retracing=True)
         def summed_gradient(x, y):
             with tf.GradientTape() as tape:
-                total = tf.reduce_sum(_per_example_losses(model, loss_fn, x, y, training=False))
+                total = tf.reduce_sum(per_example_losses(model, loss_fn, x, y, training=False))
             return tape.gradient(total, model.trainable_variables, unconnected_gradients="zero")
         cache[id(loss_fn)] = (loss_fn, summed_gradient)
     return cache[id(loss_fn)][1]
@@ -93,9 +94,9 @@ def accumulated_gradients(model, loss_fn, x, y, micro_batch_size):
       >>> all(np.allclose(a, b, atol=1e-6) for a, b in zip(in_fours, one_pass))
       True
     """
-    _check_model_type(model)
-    _check_loss(loss_fn)
-    x, y, batch = _checked_batch(x, y)
+    check_keras_model(model)
+    check_loss_fn(loss_fn)
+    x, y, batch = checked_batch(x, y)
     micro_batch_size = _int_from_1_to(micro_batch_size, "micro_batch_size", batch,
                                       "the batch size")
     gradient_of_sum = _summed_gradient_fn(model, loss_fn)
@@ -105,7 +106,7 @@ def accumulated_gradients(model, loss_fn, x, y, micro_batch_size):
         grads = gradient_of_sum(tf.nest.map_structure(lambda t, p=part: t[p], x),
                                 tf.nest.map_structure(lambda t, p=part: t[p], y))
         sums = list(grads) if sums is None else [s + g for s, g in zip(sums, grads)]
-    regularization = _regularization_gradients(model)
+    regularization = regularization_gradients(model)
     return [s / batch + (0.0 if r is None else r) for s, r in zip(sums, regularization)]
 
 
@@ -153,7 +154,7 @@ def make_accumulating_train_step(model, loss_fn, optimizer, accumulation_steps):
         global_batch_size=strategy.num_replicas_in_sync)  # checked only: the step counts examples
 
     def step(x, y):
-        x, y, _ = _checked_batch(x, y)
+        x, y, _ = checked_batch(x, y)
         return accumulate((x, y))
 
     step.accumulators, step.examples_seen = accumulate.accumulators, accumulate.examples_seen

@@ -35,7 +35,8 @@ import keras
 import tensorflow as tf
 
 from gradtut import layer_rules
-from gradtut.checks import check_real, check_seed
+from gradtut.checks import (as_tensors, batch_size_of, check_keras_model, check_loss_fn,
+                            check_present, check_real, check_seed)
 
 METHODS = ("loop", "map_fn", "vectorized", "jacobian", "outer")
 NORM_METHODS = ("ghost",) + METHODS
@@ -45,32 +46,6 @@ _cache = weakref.WeakKeyDictionary()  # model -> {key: tf.function}
 
 
 # --------------------------------------------------------------------------- input checks
-
-
-def _batch_size(nest, what):
-    """The common leading dimension of the tensors in ``nest``: an int, or None when every
-    tensor is traced with an unknown batch size (a ``tf.function`` with ``None`` batch)."""
-    shapes = [t.shape for t in tf.nest.flatten(nest)]
-    if not shapes:
-        raise ValueError(f"{what} holds no tensors; pass a batch [B, ...] (or a nest of them)")
-    if any(shape.rank == 0 for shape in shapes):
-        raise ValueError(f"{what} must have a leading batch dimension; got a scalar (a Python "
-                         "list is a nest of separate tensors: pass np.asarray(...) for a batch)")
-    sizes = {shape[0] if shape.rank is not None else None for shape in shapes}
-    known = sizes - {None}
-    if len(known) > 1:
-        raise ValueError(f"the tensors in {what} have different batch sizes {sorted(known)}")
-    return known.pop() if known else None
-
-
-def _to_tensors(nest):
-    def convert(value):
-        t = tf.convert_to_tensor(value)
-        if t.dtype == tf.float64 and keras.backend.floatx() != "float64":
-            t = tf.cast(t, keras.backend.floatx())  # NumPy's default; Keras computes in floatx
-        return t
-
-    return tf.nest.map_structure(convert, nest)
 
 
 def _layers(model):
@@ -89,75 +64,16 @@ def _grouped_convolutions(model):
             and layer.trainable and layer.trainable_variables]
 
 
-def _check_present(value, name):
-    """Refuse None for ``x`` or ``y`` (or inside their nests), naming the fix."""
-    what = ("the inputs [B, ...]" if name == "x" else "one target per example, [B, ...] "
-            "like x (for a loss that needs no targets, pass a placeholder such as np.zeros(B) "
-            "and ignore it in loss_fn)")
-    if value is None:
-        raise ValueError(f"{name} is None; pass {what}")
-    where = [i for i, t in enumerate(tf.nest.flatten(value)) if t is None]
-    if where:
-        raise ValueError(f"{name} holds None (entries {where} of its flattened nest); pass {what}")
-
-
-def _check_model_type(model, name="model"):
-    """Refuse anything that is not a Keras layer or model, with the fix for what it is."""
-    if isinstance(model, keras.layers.Layer):
-        return
-    if isinstance(model, (list, tuple)) and model and all(
-            isinstance(layer, keras.layers.Layer) for layer in model):
-        fix = "wrap the layers in a model: keras.Sequential(layers)"
-    elif callable(model):
-        fix = ("a plain function has no trainable variables to differentiate: put the "
-               "computation in a keras.layers.Layer or keras.Model")
-    else:
-        fix = "pass a built Keras model, e.g. keras.Sequential([keras.Input(...), ...])"
-    raise TypeError(f"{name} must be a Keras model (keras.Model, or any keras.layers.Layer), got "
-                    f"{type(model).__name__}; {fix}")
-
-
-def _loss_class_for(name):
-    """The Keras loss class named by ``name`` (``"mse"`` -> ``"MeanSquaredError"``), or None."""
-    try:
-        found = keras.losses.get(name)
-    except (ValueError, TypeError):
-        return None
-    base = getattr(found, "__name__", None) or type(found).__name__
-    cls = "".join(part[:1].upper() + part[1:] for part in base.split("_"))
-    return cls if isinstance(getattr(keras.losses, cls, None), type) else None
-
-
-def _check_loss(loss_fn, name="loss_fn"):
-    """Refuse a loss given by name or anything that cannot be called, naming the loss object
-    to pass instead. (A Keras loss that reduces over the batch is refused by check_model.)"""
-    if isinstance(loss_fn, str):
-        cls = _loss_class_for(loss_fn)
-        suggestion = (f"keras.losses.{cls}(reduction=None)" if cls else
-                      "a keras.losses.Loss object with reduction=None")
-        if cls is None or "Crossentropy" in cls:
-            suggestion += " (with from_logits=True if the model outputs logits)"
-        raise ValueError(
-            f"{name} is the string {loss_fn!r}, but per-example gradients need a loss object that "
-            f"returns one loss per example: pass {suggestion}, or a function "
-            "loss_fn(y_true, y_pred) -> [B].")
-    if not callable(loss_fn):
-        raise TypeError(
-            f"{name} must be a callable loss_fn(y_true, y_pred) returning [B] per-example "
-            f"losses, got {loss_fn!r} ({type(loss_fn).__name__}); pass e.g. "
-            "keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)")
-
-
 def _check_call(model, loss_fn, x, y, training, method, methods):
     """Validate arguments and return ``(x, y, batch_size)`` as tensors. ``batch_size`` is None
     when traced with an unknown batch size; the batch checks then run with the graph."""
     if method not in methods:
         raise ValueError(f"unknown method {method!r}; choose one of {methods}")
     check_model(model, loss_fn, training, method)
-    _check_present(x, "x")
-    _check_present(y, "y")
-    x, y = _to_tensors(x), _to_tensors(y)
-    bx, by = _batch_size(x, "x"), _batch_size(y, "y")
+    check_present(x, "x")
+    check_present(y, "y")
+    x, y = as_tensors(x), as_tensors(y)
+    bx, by = batch_size_of(x, "x"), batch_size_of(y, "y")
     if None not in (bx, by) and bx != by:
         raise ValueError(f"x has {bx} examples but y has {by}; they must match")
     if bx == 0 or by == 0:
@@ -203,8 +119,8 @@ def check_model(model, loss_fn, training, method):
       ...
       ValueError: loss_fn is the string 'mse', but per-example gradients need a loss object that returns one loss per example: pass keras.losses.MeanSquaredError(reduction=None), or a function loss_fn(y_true, y_pred) -> [B].
     """
-    _check_model_type(model)
-    _check_loss(loss_fn)
+    check_keras_model(model)
+    check_loss_fn(loss_fn)
     if not model.trainable_variables:
         raise ValueError("the model has no trainable variables (is it built? call it once on a batch)")
     reduction = getattr(loss_fn, "reduction", None)
@@ -248,8 +164,25 @@ def check_model(model, loss_fn, training, method):
             )
 
 
-def _per_example_losses(model, loss_fn, x, y, training):
-    """``loss_fn(y, model(x))``, checked to be one loss per example: shape ``[B]``."""
+def per_example_losses(model, loss_fn, x, y, training=False):
+    """``loss_fn(y, model(x, training=training))``, checked to be one loss per example.
+
+    The one check, for the whole package, that a loss was built with ``reduction=None``:
+    gradient accumulation, pipelines and DP-SGD all sum per-example losses themselves.
+
+    Returns:
+      tensor ``[B]``.
+
+    Raises:
+      ValueError: the loss has another shape (reduced over the batch, or one loss per time step
+        or pixel), with the fix for each.
+
+    Example:
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+      >>> per_example_losses(model, keras.losses.MeanSquaredError(reduction=None),
+      ...                    tf.zeros((5, 3)), tf.zeros((5, 2))).shape
+      TensorShape([5])
+    """
     losses = loss_fn(y, model(x, training=training))
     batch = tf.nest.flatten(x)[0].shape[0]
     message = (f"loss_fn must return per-example losses of shape [B] = [{batch}]; it returned "
@@ -411,7 +344,7 @@ def _one_example_gradients(model, loss_fn, variables, training):
         xb = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), xi)
         yb = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), yi)
         with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(_per_example_losses(model, loss_fn, xb, yb, training))
+            loss = tf.reduce_sum(per_example_losses(model, loss_fn, xb, yb, training))
         return _densify(tape.gradient(loss, variables), variables)
 
     return gradients
@@ -420,7 +353,7 @@ def _one_example_gradients(model, loss_fn, variables, training):
 def _loop(model, loss_fn, x, y, training, variables):
     step = _cached(model, ("loop", loss_fn, training), lambda: _checked_function(
         _one_example_gradients(model, loss_fn, variables, training)))
-    batch = _batch_size(x, "x")
+    batch = batch_size_of(x, "x")
     rows = [step(tf.nest.map_structure(lambda t: t[i], x), tf.nest.map_structure(lambda t: t[i], y))
             for i in range(batch)]
     return [tf.stack(per_var) for per_var in zip(*rows)]
@@ -470,7 +403,7 @@ def _jacobian(model, loss_fn, x, y, training, variables):
     def build():
         def jacobian(x, y):
             with tf.GradientTape() as tape:
-                losses = _per_example_losses(model, loss_fn, x, y, training)
+                losses = per_example_losses(model, loss_fn, x, y, training)
             return _densify(tape.jacobian(losses, variables, experimental_use_pfor=True), variables)
 
         return _checked_function(jacobian)  # one trace per batch shape, as in _vectorized_fn
@@ -488,7 +421,7 @@ def _fallback_variables(model, layers):
 
 
 def _one_pass(model, loss_fn, x, y, training):
-    return layer_rules.one_pass(model, lambda: _per_example_losses(model, loss_fn, x, y, training))
+    return layer_rules.one_pass(model, lambda: per_example_losses(model, loss_fn, x, y, training))
 
 
 def _outer(model, loss_fn, x, y, training, variables):
@@ -781,7 +714,7 @@ def ghost_norm_plan(model):
       >>> ghost_norm_plan(model)
       {'hidden': 'dense', 'prelu': 'vectorized', 'out': 'dense'}
     """
-    _check_model_type(model)
+    check_keras_model(model)
     plan = {}
     for layer in _layers(model):
         if _owned_trainable(layer):
@@ -849,7 +782,7 @@ def per_example_plan(model):
       norm    LayerNormalization  layer_normalization                                 materialised
       prelu   PReLU               vectorized fallback (no rule registered for PReLU)  materialised (vectorized_map)
     """
-    _check_model_type(model)
+    check_keras_model(model)
     rows = Plan()
     for layer in _layers(model):
         inner = {id(w) for sub in layer._flatten_layers(include_self=False)  # pylint: disable=protected-access

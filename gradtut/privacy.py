@@ -30,7 +30,7 @@ import numpy as np
 import tensorflow as tf
 from dp_accounting import pld, rdp
 
-from gradtut import per_example
+from gradtut import checks, per_example
 from gradtut.checks import check_int, check_real, check_seed
 
 ACCOUNTANTS = ("rdp", "pld")
@@ -239,7 +239,7 @@ def _check_training(model, loss_fn, l2_norm_clip, noise_multiplier, expected_bat
         where = "compile(loss=...)" if loss_name == "loss" else f"{loss_name} is None: DP-SGD"
         raise ValueError(f"{where} needs a per-example loss, e.g. keras.losses."
                          "SparseCategoricalCrossentropy(from_logits=True, reduction=None)")
-    per_example._check_loss(loss_fn, loss_name)  # pylint: disable=protected-access
+    checks.check_loss_fn(loss_fn, loss_name)  # pylint: disable=protected-access
     # the engine's own checks: a reducing loss, BatchNormalization in training, grouped
     # convolutions and random layers where the one-pass methods would get them wrong
     per_example.check_model(model, loss_fn, training=True, method="ghost")
@@ -427,7 +427,7 @@ class DPModel(keras.Model):
     def __init__(self, model, l2_norm_clip, noise_multiplier, expected_batch_size, seed=None,
                  **kwargs):
         super().__init__(**kwargs)
-        per_example._check_model_type(model)  # pylint: disable=protected-access
+        checks.check_keras_model(model)  # pylint: disable=protected-access
         l2_norm_clip, noise_multiplier, expected_batch_size = _check_settings(
             l2_norm_clip, noise_multiplier, expected_batch_size)
         self.model = model

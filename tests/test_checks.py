@@ -143,3 +143,48 @@ def test_check_seed():
     with pytest.raises(ValueError, match=r"data_seed must be an int >= 0, got None \(NoneType\)"
                                          r"; pass a whole number such as 1$"):
         check_seed(None, "data_seed", allow_none=False)
+
+
+def test_the_shared_input_checks_name_the_problem():
+    import keras
+
+    from gradtut.checks import (as_tensors, batch_size_of, check_keras_model, check_loss_fn,
+                                check_optimizer, check_present, checked_batch)
+    with pytest.raises(ValueError, match="x holds no tensors"):
+        batch_size_of([], "x")
+    with pytest.raises(ValueError, match="different batch sizes \\[3, 4\\]"):
+        batch_size_of([tf.zeros((3, 1)), tf.zeros((4, 1))], "x")
+    with pytest.raises(ValueError, match="cannot turn object into a tensor"):
+        as_tensors([object()])
+    with pytest.raises(ValueError, match=r"y holds None \(entries \[1\]"):
+        check_present([np.zeros(2), None], "y")
+    with pytest.raises(TypeError, match="wrap the layers in a model"):
+        check_keras_model([keras.layers.Dense(2)])
+    with pytest.raises(TypeError, match="loss_fn must be a callable"):
+        check_loss_fn(3)
+    with pytest.raises(TypeError, match="optimizer must be a Keras optimizer object"):
+        check_optimizer("sgd")
+    with pytest.raises(ValueError, match="x has 3 examples but y has 2"):
+        checked_batch(np.zeros((3, 1)), np.zeros(2))
+    with pytest.raises(ValueError, match="the batch is empty"):
+        checked_batch(np.zeros((0, 1)), np.zeros(0))
+
+
+def test_per_example_losses_and_regularization_gradients_refuse_bad_input():
+    import keras
+
+    from gradtut.data_parallel import regularization_gradients
+    from gradtut.per_example import per_example_losses
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(
+        2, kernel_regularizer=keras.regularizers.L2(0.5))])
+    x = tf.random.normal((5, 3))
+    with pytest.raises(ValueError, match=r"per-example losses of shape \[B\] = \[5\]"):
+        per_example_losses(model, keras.losses.MeanSquaredError(), x, tf.zeros((5, 2)))
+    kernel = model.trainable_variables[0]
+    grads = regularization_gradients(model, replicas=2)
+    np.testing.assert_allclose(grads[0], 0.5 * kernel.numpy(), rtol=1e-6)  # d(0.5|W|^2)/dW / 2
+    assert grads[1] is None
+    with pytest.raises(ValueError, match="replicas must be a positive int"):
+        regularization_gradients(model, replicas=0)
+    with pytest.raises(TypeError, match="model must be a Keras model"):
+        regularization_gradients("model")
