@@ -15,6 +15,9 @@ training; ``gradtut.efficiency.make_accumulating_train_step`` is this module's a
 step used that way.
 """
 import functools
+import json
+import os
+import time
 
 import keras
 import numpy as np
@@ -23,7 +26,7 @@ import tensorflow as tf
 from gradtut.checks import (check_int, check_keras_model, check_loss_fn, check_optimizer,
                             check_real, check_seed, checked_batch)
 from gradtut.per_example import per_example_losses
-from gradtut.session import child_command, child_result
+
 
 _SUM = tf.distribute.ReduceOp.SUM
 
@@ -351,280 +354,6 @@ def single_device_step(model, loss_fn, optimizer, x, y):
 # --------------------------------------------------------------------- local multi-worker runs
 
 
-class WorkerError(RuntimeError):
-    """A worker process failed or timed out; every worker has been stopped."""
-
-
-def _ephemeral_port_range():
-    """The range Linux takes ports for outgoing connections from (32768-60999 by default)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
-            low, high = (int(v) for v in f.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def _free_loopback_ports(count, rng=None):
-    """``count`` distinct ports that are free now on every interface (TensorFlow's gRPC server
-    listens on all of them, whatever TF_CONFIG says).
-
-    Taken from below the ephemeral range, so that no outgoing connection (a browser, a Jupyter
-    kernel's sockets, another test) can be given the same port between this check and the
-    worker's bind: ``bind(("", 0))`` would pick from the ephemeral range itself.
-    """
-    import random
-    import socket
-
-    rng = rng or random.Random()
-    low = _ephemeral_port_range()[0]
-    first = max(1024, min(20000, low - 2000))
-    if first >= low:  # no room below the ephemeral range: let the kernel pick, as before
-        return _kernel_picked_ports(count)
-    found, tries = [], 0
-    while len(found) < count:
-        tries += 1
-        if tries > 200 * count:
-            raise WorkerError(f"could not find {count} free ports in {first}-{low - 1}; stop "
-                              "other servers or use fewer workers")
-        port = rng.randrange(first, low)
-        if port in found:
-            continue
-        if all(_bindable(family, address, port)
-               for family, address in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::"))):
-            found.append(port)
-    return found
-
-
-def _kernel_picked_ports(count):
-    import socket
-
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def _bindable(family, address, port):
-    import socket
-
-    try:
-        s = socket.socket(family, socket.SOCK_STREAM)
-    except OSError:  # no IPv6 on this machine: nothing can listen there either
-        return True
-    with s:
-        try:
-            s.bind((address, port))
-        except OSError:
-            return False
-    return True
-
-
-class _PortTaken(WorkerError):
-    """A worker's gRPC server could not listen: its port was taken after it was chosen."""
-
-
-def _die_with_parent():
-    """In the child, before exec: ask Linux to SIGKILL this worker if its parent dies, so even a
-    killed notebook kernel leaves no worker behind (elsewhere this is a no-op)."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def _tail(path, lines=20):
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return "\n".join(f.read().strip().splitlines()[-lines:])
-
-
-def launch_local_workers(target, num_workers, timeout_s, kwargs=None, ports=None, env=None):
-    """Run ``target`` in ``num_workers`` processes that form a ``MultiWorkerMirroredStrategy``
-    cluster on this machine, and return what each returned.
-
-    Each process gets ``TF_CONFIG`` with a cluster of ``num_workers`` workers at
-    ``127.0.0.1:<free port>`` and its own task index, so
-    ``tf.distribute.MultiWorkerMirroredStrategy()`` inside ``target`` connects them.
-
-    Security: TensorFlow's gRPC servers have **no authentication**: anyone who can reach a
-    worker's port can run ops in it. The cluster addresses here are loopback only, so the
-    workers talk over 127.0.0.1, but TensorFlow's server itself listens on every interface
-    (``*:port``, seen with ``ss -ltn`` while workers run; TensorFlow has no setting to bind
-    it to one address). The ports are open only while the workers run; on a shared network,
-    firewall them or run inside a network namespace. On a real cluster keep workers on a
-    private network.
-
-    Args:
-      target: ``"package.module:function"``, or a module-level function (not one defined in a
-        notebook: the workers import it). It is called as ``function(**kwargs)`` and must return
-        something JSON-serialisable. Or a path to a ``.py`` script, run as ``python script``.
-      num_workers: positive int.
-      timeout_s: seconds for the whole run; then every worker is killed. (A retry after a
-        taken port, see ``ports``, starts the clock again: that attempt failed at start-up.)
-      kwargs: JSON-serialisable keyword arguments for ``target``.
-      ports: the ports to use (default: ports free on every interface, from below the
-        ephemeral range; if one is taken before its worker listens, the launch is retried
-        with fresh ports, at most three attempts in all).
-      env: extra environment variables for every worker.
-
-    Returns:
-      list, one dict per worker: ``{"index", "returncode", "result", "stdout", "stderr"}`` (result
-      is None for a script).
-
-    Raises:
-      ValueError: ``num_workers`` not a positive int, fewer ``ports`` than workers, a target
-        that cannot be imported by a worker.
-      WorkerError: a worker exited with an error, or the timeout passed. The message names the
-        worker and shows the tail of its stderr; all workers are stopped first, so nothing hangs.
-
-    Example:
-      >>> results = launch_local_workers("gradtut.data_parallel:train_synthetic", 2, 120,
-      ...                                kwargs={"steps": 4})  # doctest: +SKIP
-    """
-    num_workers = check_int(num_workers, "num_workers")
-    if ports is not None and len(ports) < num_workers:
-        raise ValueError(f"{num_workers} workers need {num_workers} ports; got {len(ports)} "
-                         "(more workers than free ports)")
-    command = _worker_command(target, kwargs)
-    # A port found free can be taken before the worker listens on it (by any process on the
-    # machine). The worker then fails at once with "Could not start gRPC server": try again
-    # with fresh ports, twice at most. Ports the caller chose are used as they are.
-    attempts = 1 if ports is not None else 3
-    for attempt in range(1, attempts + 1):
-        chosen = list(ports[:num_workers]) if ports is not None else _free_loopback_ports(
-            num_workers)
-        try:
-            return _run_workers(command, chosen, timeout_s, env)
-        except _PortTaken as err:
-            if attempt == attempts:
-                raise WorkerError(f"{err}\n(a worker could not listen on its port {chosen}; "
-                                  f"tried {attempts} time(s))") from None
-
-
-def _worker_command(target, kwargs):
-    """The command line each worker runs, for a ``"module:function"``, a module-level
-    function, or a ``.py`` script."""
-    import sys
-
-    if callable(target):
-        if target.__module__ == "__main__" or "<locals>" in target.__qualname__:
-            raise ValueError(f"workers cannot import {target.__qualname__!r} (defined in "
-                             "__main__ or inside a function): move it to a module, or pass a script")
-        target = f"{target.__module__}:{target.__qualname__}"
-    if not isinstance(target, str):
-        raise ValueError(f"target must be 'module:function', a module-level function or a .py "
-                         f"script path, got {target!r}")
-    if target.endswith(".py"):
-        return [sys.executable, target]
-    module, _, function = target.partition(":")
-    if not function:
-        raise ValueError(f"target {target!r} must be 'module:function' or a .py script")
-    return child_command(module, function, kwargs)
-
-
-def _run_workers(command, ports, timeout_s, env):
-    """Start one worker per port with its TF_CONFIG, wait, and collect what each printed.
-    Every worker is killed, and its logs removed, on the way out, whatever happened."""
-    import shutil
-    import tempfile
-
-    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
-    logs = tempfile.mkdtemp(prefix="gradtut-workers-")
-    procs, files = [], []
-    try:
-        for index in range(len(ports)):
-            procs.append(_start_worker(command, cluster, index, logs, env, files))
-        _wait_for_workers(procs, logs, timeout_s)
-        return [_worker_result(logs, index) for index in range(len(procs))]
-    finally:
-        _stop_workers(procs)
-        for f in files:
-            f.close()
-        shutil.rmtree(logs, ignore_errors=True)
-
-
-def _start_worker(command, cluster, index, logs, env, files):
-    """Start worker ``index`` of ``cluster`` with its output in ``logs``; returns the Popen."""
-    import json
-    import os
-    import subprocess
-
-    worker_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {}),
-                  "TF_CONFIG": json.dumps({"cluster": cluster,
-                                           "task": {"type": "worker", "index": index}})}
-    out = open(os.path.join(logs, f"{index}.out"), "w+", encoding="utf-8")
-    err = open(os.path.join(logs, f"{index}.err"), "w+", encoding="utf-8")
-    files += [out, err]
-    return subprocess.Popen(command, stdout=out, stderr=err, env=worker_env,
-                            stdin=subprocess.DEVNULL, start_new_session=True,
-                            preexec_fn=_die_with_parent)
-
-
-def _wait_for_workers(procs, logs, timeout_s):
-    """Return when every worker exited with 0; raise WorkerError (or _PortTaken) as soon as
-    one fails, or when ``timeout_s`` passes."""
-    import os
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        codes = [p.poll() for p in procs]
-        if any(c not in (None, 0) for c in codes):
-            first = next(i for i, c in enumerate(codes) if c not in (None, 0))
-            time.sleep(0.5)  # let the failures it causes in its peers show up too
-            codes = [p.poll() for p in procs]
-            failed = [i for i, c in enumerate(codes) if c not in (None, 0) and i != first]
-            which = "; ".join(f"worker {i} of {len(procs)} exited with code {codes[i]}"
-                              for i in [first] + failed)  # the earliest is likely the cause
-            tail = _tail(os.path.join(logs, f"{first}.err"))
-            kind = _PortTaken if "Could not start gRPC server" in tail else WorkerError
-            raise kind(f"{which}; stopped the others. Worker {first}'s stderr ends "
-                       f"with:\n{tail}")
-        if all(c == 0 for c in codes):
-            return
-        if time.monotonic() > deadline:
-            waiting = [i for i, c in enumerate(codes) if c is None]
-            raise WorkerError(f"workers {waiting} still running after {timeout_s} s; stopped "
-                              f"all of them. Worker {waiting[0]}'s stderr ends with:\n"
-                              f"{_tail(os.path.join(logs, f'{waiting[0]}.err'))}")
-        time.sleep(0.1)
-
-
-def _worker_result(logs, index):
-    """What worker ``index`` printed and returned, read from its log files."""
-    import os
-
-    with open(os.path.join(logs, f"{index}.out"), encoding="utf-8") as f:
-        stdout, result = child_result(f.read())
-    with open(os.path.join(logs, f"{index}.err"), encoding="utf-8") as f:
-        stderr = f.read()
-    return {"index": index, "returncode": 0, "result": result, "stdout": stdout,
-            "stderr": stderr}
-
-
-def _stop_workers(procs):
-    """Kill every worker still running, with its children (each leads its own group)."""
-    import os
-    import signal
-
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        p.wait()
-
-
 def train_synthetic(steps, global_batch_size=16, checkpoint_dir=None, checkpoint_every=2,
                     crash_at_step=None, mirrored_replicas=None, seed=0):
     """A small, fully deterministic custom training loop, resumable from checkpoints.
@@ -692,7 +421,6 @@ def train_synthetic(steps, global_batch_size=16, checkpoint_dir=None, checkpoint
 def _synthetic_strategy(mirrored_replicas):
     """``(strategy, task index, workers)``: multi-worker under ``TF_CONFIG``, else mirrored
     over ``mirrored_replicas`` virtual CPUs when given, else the default (one device)."""
-    import os
 
     if "TF_CONFIG" in os.environ:
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -729,8 +457,6 @@ def _resume_and_manage_checkpoints(checkpoint, checkpoint_dir, task):
     ``(manager, scratch)``: the CheckpointManager this worker saves with (the chief into
     ``checkpoint_dir``, the others into a scratch directory to remove at the end), or
     ``(None, None)`` without a directory."""
-    import os
-
     if not checkpoint_dir:
         return None, None
     latest = tf.train.latest_checkpoint(checkpoint_dir)
@@ -758,9 +484,6 @@ def _train_and_checkpoint(train_step, batches, step, manager, checkpoint_every, 
     """Train on every batch, counting in ``step`` and saving every ``checkpoint_every`` steps;
     exit the process abruptly before step ``crash_at`` (None: never). Returns the seconds of
     each step."""
-    import os
-    import time
-
     step_seconds = []
     for batch in batches:
         if crash_at is not None and int(step.numpy()) == crash_at:
@@ -853,3 +576,247 @@ def predicted_step_seconds(compute_seconds_per_example, global_batch_size, gradi
     communication = ring_allreduce_seconds(gradient_bytes, workers, bandwidth_bytes_per_s,
                                            latency_s)
     return compute_seconds_per_example * global_batch_size / workers + communication
+
+
+# --- asynchronous parameter-server training, against synchronous training ----------------------
+
+def _digits(split_at=1500):
+    """scikit-learn's bundled 8x8 digits, scaled to [0, 1]: the first ``split_at`` for
+    training, the rest held out."""
+    from sklearn.datasets import load_digits  # pylint: disable=import-outside-toplevel
+
+    x, y = load_digits(return_X_y=True)
+    x, y = (x / 16.0).astype("float32"), y.astype("int32")
+    return (x[:split_at], y[:split_at]), (x[split_at:], y[split_at:])
+
+
+def _digits_mlp(seed):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                             keras.layers.Dense(10)])
+
+
+_DIGITS_LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _check_training_run(steps, batch_size, learning_rate, seed):
+    check_int(steps, "steps"), check_int(batch_size, "batch_size"), check_seed(seed)
+    if not check_real(learning_rate, "learning_rate") > 0:
+        raise ValueError(f"learning_rate must be > 0, got {learning_rate!r}")
+
+
+def train_digits(strategy, steps, batch_size=32, learning_rate=0.1, seed=0):
+    """Synchronous training of a 64-32-10 MLP on the digits, ``steps`` SGD updates of
+    ``batch_size`` examples each (split over the strategy's replicas), the reference for
+    :func:`train_with_parameter_servers`.
+
+    Returns:
+      dict ``{"losses", "seconds", "held_out_loss"}``: each update's mean training loss, its
+      end in seconds from the first, and the final loss on the 297 held-out digits.
+
+    Raises:
+      TypeError, ValueError: a bad strategy, count, rate or seed.
+    """
+    _check_strategy(strategy)
+    _check_training_run(steps, batch_size, learning_rate, seed)
+    (x, y), (x_val, y_val) = _digits()
+    with strategy.scope():
+        model, optimizer = _digits_mlp(seed), keras.optimizers.SGD(learning_rate)
+        optimizer.build(model.trainable_variables)
+    batches = iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=seed).repeat()
+        .batch(batch_size, drop_remainder=True)))
+
+    @tf.function
+    def step(batch):
+        def replica(xs, ys):
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(
+                    per_example_losses(model, _unreduced(_DIGITS_LOSS), xs, ys, True),
+                    global_batch_size=batch_size)
+            optimizer.apply(tape.gradient(loss, model.trainable_variables),
+                            model.trainable_variables)
+            return loss
+        return strategy.reduce(_SUM, strategy.run(replica, args=batch), axis=None)
+
+    losses, seconds, start = [], [], time.perf_counter()
+    for _ in range(steps):
+        losses.append(float(step(next(batches))))
+        seconds.append(time.perf_counter() - start)
+    return {"losses": losses, "seconds": seconds,
+            "held_out_loss": float(_DIGITS_LOSS(y_val, model(x_val)))}
+
+
+def _unreduced(loss):
+    """The same Keras loss with ``reduction=None``."""
+    return type(loss).from_config({**loss.get_config(), "reduction": None})
+
+
+def train_with_parameter_servers(strategy, steps, batch_size=32, learning_rate=0.1, seed=0,
+                                 kill_worker_after=None, cluster=None):
+    """Asynchronous parameter-server training of the digits MLP, with this process as the
+    coordinator: the variables live on the parameter servers, and each scheduled step runs on
+    whichever worker is free, reads the current weights, and applies its own update.
+
+    Each step also reads a version counter (on the parameter server) before its forward pass
+    and increments it with its update, so ``applied - 1 - read`` is how many other updates
+    landed in between: how stale the step's gradient was.
+
+    Args:
+      strategy: a ``tf.distribute.experimental.ParameterServerStrategy`` (its cluster from
+        ``gradtut.cluster.parameter_server_cluster``).
+      steps: steps to schedule; ``batch_size``, ``learning_rate``, ``seed`` as in
+        :func:`train_digits`.
+      kill_worker_after: None, or ``k``: after ``k`` steps have finished, schedule the rest and
+        SIGKILL worker 1 of ``cluster`` while they run. The coordinator reschedules the step
+        it was running on the other worker.
+      cluster: the :class:`gradtut.cluster.LocalCluster`, needed with ``kill_worker_after``.
+
+    Returns:
+      dict with ``"losses"``, ``"worker"`` (which worker ran each step), ``"began"`` and
+      ``"seconds"`` (each step's start and end on the worker, from the first step's start),
+      ``"read"`` and ``"applied"`` (version counters per step, in scheduling
+      order), ``"updates"`` (the counter at the end: every update applied, repeats included),
+      ``"held_out_loss"``, and with a kill ``"killed_at"`` (seconds) and ``"wall_seconds"``.
+
+    Raises:
+      TypeError, ValueError: bad arguments (``kill_worker_after`` must be in ``1..steps-1``).
+    """
+    _check_training_run(steps, batch_size, learning_rate, seed)
+    if kill_worker_after is not None and not 0 < check_int(kill_worker_after,
+                                                           "kill_worker_after") < steps:
+        raise ValueError(f"kill_worker_after must be between 1 and steps - 1 ({steps - 1}), "
+                         f"got {kill_worker_after}")
+    if not isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+        raise TypeError(f"strategy must be a ParameterServerStrategy, got "
+                        f"{type(strategy).__name__}; for synchronous training use train_digits")
+    if kill_worker_after is not None and not hasattr(cluster, "kill"):
+        raise ValueError("kill_worker_after needs cluster=, the LocalCluster to kill a worker of")
+    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    (x, y), (x_val, y_val) = _digits()
+    with strategy.scope():
+        model, optimizer = _digits_mlp(seed), keras.optimizers.SGD(learning_rate)
+        optimizer.build(model.trainable_variables)
+        version = tf.Variable(0, dtype=tf.int64, trainable=False)
+    order = np.random.default_rng(seed).permutation(len(x))
+    x, y = x[order], y[order]
+
+    def worker_batches():
+        # Runs on each worker. gradtut.setup() makes random ops deterministic, so an unseeded
+        # shuffle would give every worker the same order (the same batches twice). The clock
+        # differs between the workers: each starts the shuffled data at its own offset, and
+        # tags its batches with it, to tell afterwards which worker ran a step.
+        tag = tf.cast(tf.timestamp() * 1e6, tf.int64)
+        return (tf.data.Dataset.from_tensor_slices((x, y)).repeat().skip(tag % len(x))
+                .batch(batch_size, drop_remainder=True)
+                .map(lambda xs, ys: (xs, ys, tf.fill([batch_size], tag))))
+
+    per_worker = iter(coordinator.create_per_worker_dataset(worker_batches))
+    step = _parameter_server_step(strategy, model, optimizer, version)
+    start = time.time()  # the clock tf.timestamp reads on the workers (one machine)
+    first = kill_worker_after or steps
+    results = [coordinator.schedule(step, args=(per_worker,)) for _ in range(first)]
+    killed = None
+    if kill_worker_after is not None:
+        coordinator.join()
+        results += [coordinator.schedule(step, args=(per_worker,))
+                    for _ in range(steps - first)]
+        time.sleep(0.05)  # let the scheduled steps start on both workers
+        cluster.kill("worker", 1)
+        killed = time.time()
+    coordinator.join()
+    wall = time.time() - start
+    values = [[float(v) for v in r.fetch()] for r in results]
+    t0 = min(v[3] for v in values)
+    tags = list(dict.fromkeys(v[5] for v in sorted(values, key=lambda v: v[3])))
+    return {"losses": [v[0] for v in values], "read": [int(v[1]) for v in values],
+            "worker": [tags.index(v[5]) for v in values], "began": [v[3] - t0 for v in values],
+            "applied": [int(v[2]) for v in values],
+            "seconds": [v[4] - t0 for v in values], "updates": int(version.numpy()),
+            "held_out_loss": float(_DIGITS_LOSS(y_val, model(x_val))),
+            "killed_at": None if killed is None else killed - t0, "wall_seconds": wall}
+
+
+def _parameter_server_step(strategy, model, optimizer, version):
+    """The step a worker runs: one batch from its own dataset, one update of the shared
+    weights, and the version counter read before and after."""
+    @tf.function
+    def step(iterator):
+        def replica(xs, ys, worker):
+            begin, read = tf.timestamp(), version.read_value()
+            with tf.GradientTape() as tape:
+                loss = _DIGITS_LOSS(ys, model(xs, training=True))
+            optimizer.apply(tape.gradient(loss, model.trainable_variables),
+                            model.trainable_variables)
+            applied = version.assign_add(1)
+            return (loss, tf.cast(read, tf.float64), tf.cast(applied, tf.float64), begin,
+                    tf.timestamp(), tf.cast(worker[0], tf.float64))
+        return strategy.run(replica, args=next(iterator))
+    return step
+
+
+# --- Keras fit that survives a crash -----------------------------------------------------------
+
+CRASH_MARKER = "gradtut: crash point reached"
+
+
+def fit_with_backup(backup_dir, epochs=3, batch_size=64, save_freq="epoch", crash_at=None,
+                    seed=0, replicas=2):
+    """``model.fit`` of the digits MLP under a ``MirroredStrategy`` of ``replicas`` virtual
+    CPUs, with ``keras.callbacks.BackupAndRestore(backup_dir, save_freq=save_freq)``. Meant
+    for a fresh process (it calls ``gradtut.setup``): a second call with the same
+    ``backup_dir`` resumes from the backup there.
+
+    The data order is the same every epoch (``shuffle=False``), so an uninterrupted run and a
+    resumed one see the same batches, unless the resume repeats some.
+
+    Args:
+      crash_at: None, or ``(epoch, batch)``: after that batch, print :data:`CRASH_MARKER` and
+        wait to be killed from outside (``gradtut.cluster.run_until_marker_then_kill``).
+
+    Returns:
+      dict ``{"weights", "batches_run", "backup"}``: the final weights (nested lists), every
+      ``(epoch, batch)`` this process trained on, and the backup's metadata at the start.
+
+    Raises:
+      ValueError: bad counts, ``save_freq`` not ``"epoch"`` or a positive int.
+    """
+    import gradtut  # pylint: disable=import-outside-toplevel
+
+    epochs, batch_size = check_int(epochs, "epochs"), check_int(batch_size, "batch_size")
+    if save_freq != "epoch":
+        check_int(save_freq, "save_freq")
+    gradtut.setup(seed=seed, virtual_cpus=check_int(replicas, "replicas"))
+    metadata_path = os.path.join(backup_dir, "training_metadata.json")
+    backup = None
+    if os.path.exists(metadata_path):
+        with open(metadata_path, encoding="utf-8") as f:
+            backup = json.load(f)
+    (x, y), _ = _digits()
+    strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)])
+    with strategy.scope():
+        model = _digits_mlp(seed)
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=_DIGITS_LOSS)
+    seen = _BatchesSeen(crash_at)
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,
+              callbacks=[keras.callbacks.BackupAndRestore(backup_dir, save_freq=save_freq),
+                         seen])
+    return {"weights": [w.tolist() for w in model.get_weights()],
+            "batches_run": seen.batches, "backup": backup}
+
+
+class _BatchesSeen(keras.callbacks.Callback):
+    """Records every (epoch, batch) trained in this process; stops at ``crash_at`` to be killed."""
+
+    def __init__(self, crash_at):
+        super().__init__()
+        self.crash_at, self.batches, self.epoch = crash_at and tuple(crash_at), [], 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches.append((self.epoch, batch))
+        if (self.epoch, batch) == self.crash_at:
+            print(CRASH_MARKER, flush=True)
+            time.sleep(600)  # killed from outside before this ends

@@ -1,4 +1,6 @@
 """Small models shared by the tests: each stands for a family of layers with or without a rule."""
+import subprocess
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -231,3 +233,8 @@ def strategy_with(replicas):
     keep their group size per process)."""
     return tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)],
                                           cross_device_ops=tf.distribute.ReductionToOneDevice())
+
+
+def no_process_matches(pattern):
+    """True when no process's command line matches ``pattern`` (pgrep -f)."""
+    return subprocess.run(["pgrep", "-f", pattern], capture_output=True).returncode == 1

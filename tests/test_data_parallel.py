@@ -227,23 +227,9 @@ def test_single_device_step_refuses_bad_batches_and_arguments():
 
 # ------------------------------------------------------------------ local multi-worker runs
 
-import json  # noqa: E402
-import subprocess  # noqa: E402
-
-from gradtut.data_parallel import WorkerError, launch_local_workers, train_synthetic  # noqa: E402
-
-
-def no_process_matches(pattern):
-    return subprocess.run(["pgrep", "-f", pattern], capture_output=True).returncode == 1
-
-
-def test_workers_get_a_loopback_cluster_in_tf_config():
-    results = launch_local_workers("os:getenv", 3, timeout_s=60, kwargs={"key": "TF_CONFIG"})
-    configs = [json.loads(r["result"]) for r in results]
-    assert [c["task"] for c in configs] == [{"type": "worker", "index": i} for i in range(3)]
-    addresses = configs[0]["cluster"]["worker"]
-    assert len(set(addresses)) == 3 and all(a.startswith("127.0.0.1:") for a in addresses)
-    assert all(c["cluster"] == configs[0]["cluster"] for c in configs)
+from gradtut.cluster import WorkerError, launch_local_workers  # noqa: E402
+from gradtut.data_parallel import train_synthetic  # noqa: E402
+from model_zoo import no_process_matches  # noqa: E402
 
 
 def test_two_workers_end_identical_and_equal_a_two_replica_mirrored_run():
@@ -269,34 +255,6 @@ def test_a_killed_worker_fails_fast_and_the_rerun_resumes_from_the_checkpoint(tm
     uninterrupted = train_synthetic(8)["weights"]
     assert_gradients_close([np.array(w) for w in results[0]["result"]["weights"]],
                            [np.array(w) for w in uninterrupted], **TOL)
-
-
-def test_a_target_that_raises_is_named_with_its_stderr():
-    with pytest.raises(WorkerError, match=r"(?s)worker \d of 2 exited with code 1.*JSONDecodeError"):
-        launch_local_workers("json:loads", 2, timeout_s=60, kwargs={"s": "{"})
-
-
-def test_a_hanging_worker_is_killed_at_the_timeout():
-    with pytest.raises(WorkerError, match=r"still running after 2 s; stopped all of them"):
-        launch_local_workers("signal:pause", 2, timeout_s=2)
-    assert no_process_matches("signal pause")
-
-
-def test_launcher_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="more workers than free ports"):
-        launch_local_workers("os:getpid", 2, timeout_s=10, ports=[12345])
-    with pytest.raises(ValueError, match="num_workers must be a positive int"):
-        launch_local_workers("os:getpid", 0, timeout_s=10)
-    with pytest.raises(ValueError, match="move it to a module"):
-        launch_local_workers(lambda: 1, 1, timeout_s=10)
-    with pytest.raises(ValueError, match="must be 'module:function' or a .py script"):
-        launch_local_workers("os.getpid", 1, timeout_s=10)
-
-
-def test_worker_error_is_a_runtime_error_with_its_message():
-    """Notebooks may catch it as RuntimeError; the message is what the launcher composed."""
-    with pytest.raises(RuntimeError, match="worker 1 of 2 exited with code 17"):
-        raise WorkerError("worker 1 of 2 exited with code 17; stopped the others")
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -373,82 +331,60 @@ def test_cost_model_arguments_are_checked():
         predicted_step_seconds(1e-3, 1024, 1e9, 4, 1e9)
 
 
-def test_workers_die_with_a_killed_parent():
-    """A notebook kernel killed outright (no finally blocks run) still leaves no worker."""
-    import signal
-    import sys
-    import time
-
-    parent = subprocess.Popen([sys.executable, "-c",
-                               "from gradtut.data_parallel import launch_local_workers; "
-                               "launch_local_workers('signal:pause', 2, timeout_s=600)"])
-    try:
-        for _ in range(100):  # wait until both workers are up
-            if subprocess.run(["pgrep", "-f", "signal pause"], capture_output=True,
-                              text=True).stdout.count("\n") >= 2:
-                break
-            time.sleep(0.1)
-        assert not no_process_matches("signal pause")
-        parent.send_signal(signal.SIGKILL)
-        parent.wait()
-        for _ in range(50):
-            if no_process_matches("signal pause"):
-                break
-            time.sleep(0.1)
-        assert no_process_matches("signal pause")
-    finally:
-        if parent.poll() is None:
-            parent.kill()
-            parent.wait()
 
 
-def test_a_script_target_runs_in_every_worker(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text("import json, os\n"
-                      "print('task', json.loads(os.environ['TF_CONFIG'])['task']['index'])\n")
-    results = launch_local_workers(str(script), 2, timeout_s=60)
-    assert [r["stdout"].strip() for r in results] == ["task 0", "task 1"]
-    assert [r["result"] for r in results] == [None, None]
+# ------------------------------------------------------------------ fit that survives a crash
+
+from gradtut.cluster import run_until_marker_then_kill  # noqa: E402
+from gradtut.data_parallel import (CRASH_MARKER, fit_with_backup, train_digits,  # noqa: E402
+                                   train_with_parameter_servers)
+from gradtut.session import run_in_subprocess  # noqa: E402
 
 
-def test_free_ports_are_free_on_every_interface_and_outside_the_ephemeral_range():
-    import socket
-
-    from gradtut.data_parallel import _ephemeral_port_range, _free_loopback_ports
-
-    low, _ = _ephemeral_port_range()
-    ports = _free_loopback_ports(4)
-    assert len(set(ports)) == 4 and all(1024 <= p < low for p in ports)
-    for port in ports:
-        with socket.socket() as s:
-            s.bind(("0.0.0.0", port))
+@pytest.fixture(scope="module")
+def uninterrupted_fit(tmp_path_factory):
+    return run_in_subprocess("gradtut.data_parallel", "fit_with_backup",
+                             {"backup_dir": str(tmp_path_factory.mktemp("a")), "epochs": 2},
+                             timeout_s=300)
 
 
-def test_a_port_taken_before_the_worker_listens_is_retried_with_fresh_ports(monkeypatch):
-    """The race behind a notebook-03 failure: a port found free is taken by another process
-    before TensorFlow's gRPC server binds it. The launcher retries with fresh ports; ports the
-    caller chose are not retried, and the error says the port could not be used."""
-    import socket
+@pytest.mark.parametrize("save_freq, equal", [("epoch", True), (5, False)])
+def test_backup_and_restore_resumes_at_the_start_of_the_interrupted_epoch(
+        tmp_path, uninterrupted_fit, save_freq, equal):
+    """Killed after batch 8 of epoch 1, the rerun starts epoch 1 from batch 0: Keras 3 restores
+    the epoch, not the batch. With one backup per epoch nothing is repeated and the weights
+    equal an uninterrupted run exactly; with a backup every 5 batches, batches 0-9 of epoch 1
+    are trained twice."""
+    run = {"backup_dir": str(tmp_path), "epochs": 2, "save_freq": save_freq}
+    crash = run_until_marker_then_kill("gradtut.data_parallel", "fit_with_backup",
+                                       {**run, "crash_at": [1, 8]}, CRASH_MARKER)
+    assert crash["killed"]
+    resumed = run_in_subprocess("gradtut.data_parallel", "fit_with_backup", run, timeout_s=300)
+    assert resumed["backup"] == ({"epoch": 1, "batch": 0} if equal else {"epoch": 1, "batch": 5})
+    assert resumed["batches_run"] == [[1, b] for b in range(24)]
+    same = all(np.array_equal(a, b) for a, b in zip(resumed["weights"],
+                                                     uninterrupted_fit["weights"]))
+    assert same is equal
 
-    from gradtut import data_parallel
 
-    with socket.socket() as blocker:
-        blocker.bind(("0.0.0.0", 0))
-        blocker.listen()
-        taken = blocker.getsockname()[1]
-        real = data_parallel._free_loopback_ports
-        handed_out = []
+def test_the_training_runs_refuse_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="save_freq must be a positive int"):
+        fit_with_backup(str(tmp_path), save_freq="batch")
+    with pytest.raises(ValueError, match="epochs must be a positive int"):
+        fit_with_backup(str(tmp_path), epochs=0)
+    with pytest.raises(TypeError, match="strategy must be a tf.distribute strategy"):
+        train_digits("mirrored", 10)
+    with pytest.raises(ValueError, match="learning_rate must be > 0"):
+        train_digits(tf.distribute.get_strategy(), 10, learning_rate=0.0)
+    with pytest.raises(ValueError, match="kill_worker_after must be between 1 and steps - 1"):
+        train_with_parameter_servers(tf.distribute.get_strategy(), 10, kill_worker_after=10)
+    with pytest.raises(TypeError, match="strategy must be a ParameterServerStrategy"):
+        train_with_parameter_servers(tf.distribute.get_strategy(), 10)
 
-        def first_taken(count):
-            ports = [taken] + real(count - 1) if not handed_out else real(count)
-            handed_out.append(ports)
-            return ports
 
-        monkeypatch.setattr(data_parallel, "_free_loopback_ports", first_taken)
-        results = launch_local_workers("gradtut.data_parallel:train_synthetic", 2,
-                                       timeout_s=120, kwargs={"steps": 2})
-        assert len(handed_out) == 2 and taken in handed_out[0]
-        assert results[0]["result"]["weights"] == results[1]["result"]["weights"]
-        with pytest.raises(WorkerError, match=r"could not listen on its port.*tried 1 time"):
-            launch_local_workers("gradtut.data_parallel:train_synthetic", 2, timeout_s=120,
-                                 kwargs={"steps": 2}, ports=[taken, real(1)[0]])
+def test_one_device_and_mirrored_digits_training_are_the_same_computation():
+    mirrored = train_digits(tf.distribute.MirroredStrategy(
+        ["CPU:0", "CPU:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()), 30)
+    single = train_digits(tf.distribute.get_strategy(), 30)  # the reference, computed after
+    np.testing.assert_allclose(mirrored["losses"], single["losses"], rtol=1e-5)
+    assert single["losses"][-1] < single["losses"][0]
