@@ -820,3 +820,29 @@ class _BatchesSeen(keras.callbacks.Callback):
         if (self.epoch, batch) == self.crash_at:
             print(CRASH_MARKER, flush=True)
             time.sleep(600)  # killed from outside before this ends
+
+
+def fit_in_fresh_process(backup_dir, crash_at=None, timeout_s=300, **kwargs):
+    """:func:`fit_with_backup` in a fresh Python process (it needs its own virtual CPUs).
+
+    With ``crash_at=(epoch, batch)`` the process is killed from outside there
+    (``gradtut.cluster.run_until_marker_then_kill``) and the result is
+    ``{"killed": True, ...}``; otherwise it is :func:`fit_with_backup`'s result.
+
+    Raises:
+      ValueError: bad arguments (checked here, before a process starts).
+      RuntimeError: the process failed, did not reach ``crash_at``, or timed out.
+    """
+    from gradtut.cluster import run_until_marker_then_kill  # pylint: disable=import-outside-toplevel
+    from gradtut.session import run_in_subprocess  # pylint: disable=import-outside-toplevel
+
+    if not isinstance(backup_dir, str) or not backup_dir:
+        raise ValueError(f"backup_dir must be a folder path (a string), got {backup_dir!r}")
+    if crash_at is not None:
+        epoch, batch = crash_at
+        crash_at = [check_int(epoch, "crash epoch", 0), check_int(batch, "crash batch", 0)]
+        return run_until_marker_then_kill("gradtut.data_parallel", "fit_with_backup",
+                                          {"backup_dir": backup_dir, "crash_at": crash_at,
+                                           **kwargs}, CRASH_MARKER, timeout_s=timeout_s)
+    return run_in_subprocess("gradtut.data_parallel", "fit_with_backup",
+                             {"backup_dir": backup_dir, **kwargs}, timeout_s=timeout_s)

@@ -368,6 +368,11 @@ def test_backup_and_restore_resumes_at_the_start_of_the_interrupted_epoch(
 
 
 def test_the_training_runs_refuse_bad_input(tmp_path):
+    from gradtut.data_parallel import fit_in_fresh_process
+    with pytest.raises(ValueError, match="backup_dir must be a folder path"):
+        fit_in_fresh_process(None)
+    with pytest.raises(ValueError, match="crash batch must be an int >= 0"):
+        fit_in_fresh_process(str(tmp_path), crash_at=(1, -1))
     with pytest.raises(ValueError, match="save_freq must be a positive int"):
         fit_with_backup(str(tmp_path), save_freq="batch")
     with pytest.raises(ValueError, match="epochs must be a positive int"):

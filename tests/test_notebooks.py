@@ -21,10 +21,12 @@ def _load_notebook_format():
 canonical = _load_notebook_format().canonical
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 # Calls whose output varies from run to run: such cells must be marked, and only such cells.
-# What marks a measurement: timers, allocator statistics, and measured pipeline timelines.
+# What marks a measurement: timers, allocator statistics, measured pipeline timelines, and
+# asynchronous parameter-server training (its batches and updates interleave differently).
 TIMING = re.compile(r"\b(\w*_timings|time_callable|\w*benchmark\w*|peak_memory\w*|"
                     r"run_in_subprocess|perf_counter|reset_memory_stats|makespan|"
-                    r"bubble_fraction|stage_times)\(|\bmedian_\w*ms\b|\.ratio\b")
+                    r"bubble_fraction|stage_times|"
+                    r"train_with_parameter_servers)\(|\bmedian_\w*ms\b|\.ratio\b")
 IGNORE = "# NBVAL_IGNORE_OUTPUT"
 LOG_NOISE = re.compile(r"^[IWEF]0000 |oneDNN custom operations|cpu_feature_guard|INFO:tensorflow|"
                        r"WARNING:tensorflow|ms/step|absl::InitializeLog", re.M)
