@@ -141,8 +141,9 @@ def assert_gradients_close(actual, expected, rtol=1e-5, atol=1e-6, names=None):
     return worst
 
 
-def check_int(value, name, minimum=1):
-    """``value`` as a Python int, after checking it is an integer ``>= minimum``.
+def check_int(value, name, minimum=1, maximum=None, what_maximum=None):
+    """``value`` as a Python int, after checking it is an integer ``>= minimum`` (and
+    ``<= maximum``, when given).
 
     The one meaning of "a positive int" across gradtut: Python and NumPy integers pass; bools
     (``True`` would count as 1), floats (even ``4.0``) and strings are refused.
@@ -151,6 +152,8 @@ def check_int(value, name, minimum=1):
       value: the argument to check.
       name: its name, used in the error message.
       minimum: the smallest allowed value (1 for counts, 0 for "none allowed").
+      maximum: None, or the largest allowed value; ``what_maximum`` says what it is, for the
+        message ("the batch size").
 
     Returns:
       ``int(value)``.
@@ -166,13 +169,20 @@ def check_int(value, name, minimum=1):
       Traceback (most recent call last):
       ...
       ValueError: num_workers must be a positive int, got True (a bool); pass a whole number such as 1
+      >>> check_int(5, "num_microbatches", maximum=4, what_maximum="the batch size")
+      Traceback (most recent call last):
+      ...
+      ValueError: num_microbatches must be an int from 1 to the batch size (4), got 5
     """
-    wanted = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+    if maximum is not None:
+        wanted = f"an int from {minimum} to {what_maximum or 'its maximum'} ({maximum})"
+    else:
+        wanted = "a positive int" if minimum == 1 else f"an int >= {minimum}"
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         kind = "a bool" if isinstance(value, (bool, np.bool_)) else type(value).__name__
         raise ValueError(f"{name} must be {wanted}, got {value!r} ({kind}); pass a whole "
                          f"number such as {max(minimum, 1)}")
-    if value < minimum:
+    if value < minimum or (maximum is not None and value > maximum):
         raise ValueError(f"{name} must be {wanted}, got {value}")
     return int(value)
 

@@ -17,6 +17,7 @@ open only while the processes run; on a shared network, firewall them or use a n
 namespace. On a real cluster keep workers and parameter servers on a private network.
 """
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -111,15 +112,28 @@ class _PortTaken(WorkerError):
     """A worker's gRPC server could not listen: its port was taken after it was chosen."""
 
 
-def _die_with_parent():
-    """In the child, before exec: ask Linux to SIGKILL this worker if its parent dies, so even a
-    killed notebook kernel leaves no worker behind (elsewhere this is a no-op)."""
+def _load_prctl():
+    """libc's ``prctl``, looked up once here in the parent: the child calls it between fork and
+    exec, where loading a library could deadlock on a lock another thread held at the fork."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: children are still killed on the way out
+        return None
+
+
+_PRCTL = _load_prctl()
+
+
+def _die_with_parent(parent_pid):
+    """In the child, before exec: ask Linux to SIGKILL this process when its parent dies, so
+    even a killed notebook kernel leaves no worker behind; exit at once if the parent is
+    already gone."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:
+        os._exit(1)  # pylint: disable=protected-access
 
 
 def _tail(path, lines=20):
@@ -167,6 +181,7 @@ def launch_local_workers(target, num_workers, timeout_s, kwargs=None, ports=None
         worker and shows the tail of its stderr; all workers are stopped first, so nothing hangs.
 
     Example:
+      >>> # not run as a doctest: it starts two TensorFlow processes (about 20 s)
       >>> results = launch_local_workers("gradtut.data_parallel:train_synthetic", 2, 120,
       ...                                kwargs={"steps": 4})  # doctest: +SKIP
     """
@@ -175,18 +190,23 @@ def launch_local_workers(target, num_workers, timeout_s, kwargs=None, ports=None
         raise ValueError(f"{num_workers} workers need {num_workers} ports; got {len(ports)} "
                          "(more workers than free ports)")
     command = _worker_command(target, kwargs)
-    # A port found free can be taken before the worker listens on it (by any process on the
-    # machine). The worker then fails at once with "Could not start gRPC server": try again
-    # with fresh ports, twice at most. Ports the caller chose are used as they are.
+    return _on_free_ports(num_workers, ports,
+                          lambda chosen: _run_workers(command, chosen, timeout_s, env))
+
+
+def _on_free_ports(count, ports, start):
+    """``start(ports)`` with ``count`` free loopback ports. A port found free can be taken
+    before a server listens on it (by any process on the machine); the server then fails at once
+    with "Could not start gRPC server" (``_PortTaken``), and this tries again with fresh ports,
+    three attempts in all. Ports the caller chose (``ports``) are used once, as they are."""
     attempts = 1 if ports is not None else 3
     for attempt in range(1, attempts + 1):
-        chosen = list(ports[:num_workers]) if ports is not None else free_loopback_ports(
-            num_workers)
+        chosen = list(ports[:count]) if ports is not None else free_loopback_ports(count)
         try:
-            return _run_workers(command, chosen, timeout_s, env)
+            return start(chosen)
         except _PortTaken as err:
             if attempt == attempts:
-                raise WorkerError(f"{err}\n(a worker could not listen on its port {chosen}; "
+                raise WorkerError(f"{err}\n(a task could not listen on its port {chosen}; "
                                   f"tried {attempts} time(s))") from None
 
 
@@ -243,7 +263,7 @@ def _start_process(command, logs, name, env, files):
     files += [out, err]
     return subprocess.Popen(command, stdout=out, stderr=err, env=child_env,
                             stdin=subprocess.DEVNULL, start_new_session=True,
-                            preexec_fn=_die_with_parent)
+                            preexec_fn=functools.partial(_die_with_parent, os.getpid()))
 
 
 def _wait_for_workers(procs, logs, timeout_s):
@@ -358,6 +378,7 @@ def parameter_server_cluster(num_workers=2, num_ps=1, timeout_s=60):
       WorkerError: a task failed to start, or was not listening within ``timeout_s``.
 
     Example:
+      >>> # not run as a doctest: a coordinator ties this process's TensorFlow to the cluster
       >>> with parameter_server_cluster(2, 1) as cluster:  # doctest: +SKIP
       ...     strategy = tf.distribute.experimental.ParameterServerStrategy(cluster.resolver())
     """
@@ -365,30 +386,35 @@ def parameter_server_cluster(num_workers=2, num_ps=1, timeout_s=60):
     logs = tempfile.mkdtemp(prefix="gradtut-ps-")
     processes, files = {}, []
     try:
-        for attempt in range(1, 4):  # a port found free can be taken before a server binds it
-            ports = free_loopback_ports(num_workers + num_ps)
-            spec = {"worker": [f"127.0.0.1:{p}" for p in ports[:num_workers]],
-                    "ps": [f"127.0.0.1:{p}" for p in ports[num_workers:]]}
-            for job, addresses in spec.items():
-                for index in range(len(addresses)):
-                    command = child_command("gradtut.cluster", "serve",
-                                            {"cluster": spec, "job": job, "index": index})
-                    processes[job, index] = _start_process(command, logs, f"{job}{index}", {},
-                                                           files)
-            try:
-                _wait_until_listening(processes, spec, logs, timeout_s)
-                break
-            except _PortTaken:
-                _stop_workers(list(processes.values()))
-                processes.clear()
-                if attempt == 3:
-                    raise
+        spec = _on_free_ports(num_workers + num_ps, None, lambda ports: _start_servers(
+            ports, num_workers, processes, logs, files, timeout_s))
         yield LocalCluster(spec, processes)
     finally:
         _stop_workers(list(processes.values()))
         for f in files:
             f.close()
         shutil.rmtree(logs, ignore_errors=True)
+
+
+def _start_servers(ports, num_workers, processes, logs, files, timeout_s):
+    """Start a ``serve`` process per port (the first ``num_workers`` are workers, the rest
+    parameter servers) into ``processes``, and return the cluster spec once all listen. If one
+    fails, all are stopped (``processes`` emptied) before the error is raised."""
+    spec = {"worker": [f"127.0.0.1:{p}" for p in ports[:num_workers]],
+            "ps": [f"127.0.0.1:{p}" for p in ports[num_workers:]]}
+    try:
+        for job, addresses in spec.items():
+            for index in range(len(addresses)):
+                command = child_command("gradtut.cluster", "serve",
+                                        {"cluster": spec, "job": job, "index": index})
+                processes[job, index] = _start_process(command, logs, f"{job}{index}", {},
+                                                       files)
+        _wait_until_listening(processes, spec, logs, timeout_s)
+    except BaseException:
+        _stop_workers(list(processes.values()))
+        processes.clear()
+        raise
+    return spec
 
 
 def _wait_until_listening(processes, spec, logs, timeout_s):

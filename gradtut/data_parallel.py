@@ -653,14 +653,18 @@ def _unreduced(loss):
 
 
 def train_with_parameter_servers(strategy, steps, batch_size=32, learning_rate=0.1, seed=0,
-                                 kill_worker_after=None, cluster=None):
+                                 kill_worker_after=None, cluster=None, timeout_s=300):
     """Asynchronous parameter-server training of the digits MLP, with this process as the
     coordinator: the variables live on the parameter servers, and each scheduled step runs on
     whichever worker is free, reads the current weights, and applies its own update.
 
-    Each step also reads a version counter (on the parameter server) before its forward pass
-    and increments it with its update, so ``applied - 1 - read`` is how many other updates
-    landed in between: how stale the step's gradient was.
+    Each step reads a version counter (on the parameter server) before it reads any weight,
+    reads it again once its gradient is computed, just before applying it, and increments it
+    after its update. ``read_before_update - read`` is how many other updates landed while the
+    step computed: how stale its gradient was. (The two reads are plain reads: the value an
+    increment returns is a separate read, which another worker's increment can overtake.)
+    Each step also counts its attempts, so a step that a dead worker started and the
+    coordinator ran again shows ``attempts == 2``.
 
     Args:
       strategy: a ``tf.distribute.experimental.ParameterServerStrategy`` (its cluster from
@@ -670,87 +674,155 @@ def train_with_parameter_servers(strategy, steps, batch_size=32, learning_rate=0
       kill_worker_after: None, or ``k``: after ``k`` steps have finished, schedule the rest and
         SIGKILL worker 1 of ``cluster`` while they run. The coordinator reschedules the step
         it was running on the other worker.
-      cluster: the :class:`gradtut.cluster.LocalCluster`, needed with ``kill_worker_after``.
+      cluster: the :class:`gradtut.cluster.LocalCluster`: needed with ``kill_worker_after``;
+        with it, ``"worker"`` holds task indices, without it process ids.
+      timeout_s: seconds for the training; then ``TimeoutError`` (a coordinator otherwise
+        waits for dead workers to come back, forever if none does).
 
     Returns:
-      dict with ``"losses"``, ``"worker"`` (which worker ran each step), ``"began"`` and
-      ``"seconds"`` (each step's start and end on the worker, from the first step's start),
-      ``"read"`` and ``"applied"`` (version counters per step, in scheduling
-      order), ``"updates"`` (the counter at the end: every update applied, repeats included),
-      ``"held_out_loss"``, and with a kill ``"killed_at"`` (seconds) and ``"wall_seconds"``.
+      dict with, per step in scheduling order, ``"losses"``, ``"worker"`` (the task that ran
+      it, or its process id), ``"began"`` and ``"seconds"`` (start and end on the worker,
+      from the first step's start), ``"read"`` and ``"read_before_update"`` (the version
+      counter) and ``"attempts"``; and ``"updates"`` (the counter at the end: every update
+      applied, repeats included), ``"variables_on"`` (the devices of the model's variables),
+      ``"held_out_loss"``, ``"killed_at"`` (seconds, or None) and ``"wall_seconds"``.
 
     Raises:
       TypeError, ValueError: bad arguments (``kill_worker_after`` must be in ``1..steps-1``).
+      TimeoutError: the steps did not finish within ``timeout_s``.
+
+    Example:
+      >>> train_with_parameter_servers(tf.distribute.get_strategy(), 10)
+      Traceback (most recent call last):
+      TypeError: strategy must be a ParameterServerStrategy, got _DefaultDistributionStrategy; for synchronous training use train_digits
     """
-    _check_training_run(steps, batch_size, learning_rate, seed)
-    if kill_worker_after is not None and not 0 < check_int(kill_worker_after,
-                                                           "kill_worker_after") < steps:
-        raise ValueError(f"kill_worker_after must be between 1 and steps - 1 ({steps - 1}), "
-                         f"got {kill_worker_after}")
-    if not isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
-        raise TypeError(f"strategy must be a ParameterServerStrategy, got "
-                        f"{type(strategy).__name__}; for synchronous training use train_digits")
-    if kill_worker_after is not None and not hasattr(cluster, "kill"):
-        raise ValueError("kill_worker_after needs cluster=, the LocalCluster to kill a worker of")
+    _check_parameter_server_run(strategy, steps, batch_size, learning_rate, seed,
+                                kill_worker_after, cluster, timeout_s)
     coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
     (x, y), (x_val, y_val) = _digits()
     with strategy.scope():
         model, optimizer = _digits_mlp(seed), keras.optimizers.SGD(learning_rate)
         optimizer.build(model.trainable_variables)
         version = tf.Variable(0, dtype=tf.int64, trainable=False)
+        attempts = tf.Variable(tf.zeros([steps], tf.int64), trainable=False)
     order = np.random.default_rng(seed).permutation(len(x))
-    x, y = x[order], y[order]
+    per_worker = iter(coordinator.create_per_worker_dataset(
+        _worker_batches(x[order], y[order], batch_size)))
+    step = _parameter_server_step(strategy, model, optimizer, version, attempts)
+    deadline = time.monotonic() + timeout_s
 
-    def worker_batches():
-        # Runs on each worker. gradtut.setup() makes random ops deterministic, so an unseeded
-        # shuffle would give every worker the same order (the same batches twice). The clock
-        # differs between the workers: each starts the shuffled data at its own offset, and
-        # tags its batches with it, to tell afterwards which worker ran a step.
-        tag = tf.cast(tf.timestamp() * 1e6, tf.int64)
-        return (tf.data.Dataset.from_tensor_slices((x, y)).repeat().skip(tag % len(x))
-                .batch(batch_size, drop_remainder=True)
-                .map(lambda xs, ys: (xs, ys, tf.fill([batch_size], tag))))
+    def schedule(ids):
+        return [coordinator.schedule(step, args=(per_worker, tf.constant(i, tf.int64)))
+                for i in ids]
 
-    per_worker = iter(coordinator.create_per_worker_dataset(worker_batches))
-    step = _parameter_server_step(strategy, model, optimizer, version)
     start = time.time()  # the clock tf.timestamp reads on the workers (one machine)
     first = kill_worker_after or steps
-    results = [coordinator.schedule(step, args=(per_worker,)) for _ in range(first)]
-    killed = None
+    results, killed = schedule(range(first)), None
     if kill_worker_after is not None:
-        coordinator.join()
-        results += [coordinator.schedule(step, args=(per_worker,))
-                    for _ in range(steps - first)]
+        _join_before(coordinator, deadline, timeout_s)
+        results += schedule(range(first, steps))
         time.sleep(0.05)  # let the scheduled steps start on both workers
         cluster.kill("worker", 1)
         killed = time.time()
-    coordinator.join()
+    _join_before(coordinator, deadline, timeout_s)
     wall = time.time() - start
-    values = [[float(v) for v in r.fetch()] for r in results]
-    t0 = min(v[3] for v in values)
-    tags = list(dict.fromkeys(v[5] for v in sorted(values, key=lambda v: v[3])))
-    return {"losses": [v[0] for v in values], "read": [int(v[1]) for v in values],
-            "worker": [tags.index(v[5]) for v in values], "began": [v[3] - t0 for v in values],
-            "applied": [int(v[2]) for v in values],
-            "seconds": [v[4] - t0 for v in values], "updates": int(version.numpy()),
+    out = _step_records([r.fetch() for r in results], cluster)
+    t0 = min(out["began"])
+    out["began"] = [t - t0 for t in out["began"]]
+    out["seconds"] = [t - t0 for t in out["seconds"]]
+    return {**out, "attempts": attempts.numpy().tolist(), "updates": int(version.numpy()),
+            "variables_on": sorted({v.value.device for v in model.trainable_variables}),
             "held_out_loss": float(_DIGITS_LOSS(y_val, model(x_val))),
             "killed_at": None if killed is None else killed - t0, "wall_seconds": wall}
 
 
-def _parameter_server_step(strategy, model, optimizer, version):
+def _check_parameter_server_run(strategy, steps, batch_size, learning_rate, seed,
+                                kill_worker_after, cluster, timeout_s):
+    _check_training_run(steps, batch_size, learning_rate, seed)
+    if kill_worker_after is not None:
+        if not 0 < check_int(kill_worker_after, "kill_worker_after") < steps:
+            raise ValueError(f"kill_worker_after must be between 1 and steps - 1 "
+                             f"({steps - 1}), got {kill_worker_after}")
+        if not hasattr(cluster, "kill"):
+            raise ValueError("kill_worker_after needs cluster=, the LocalCluster to kill a "
+                             "worker of")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    if not isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+        raise TypeError(f"strategy must be a ParameterServerStrategy, got "
+                        f"{type(strategy).__name__}; for synchronous training use train_digits")
+
+
+def _worker_batches(x, y, batch_size):
+    """The per-worker dataset function. It runs in each worker's own process, so
+    ``/proc/self/stat`` there starts with that worker's process id: each batch is tagged with
+    it, to tell afterwards which worker ran a step. The workers also start the data at
+    different points (the id modulo the data size): ``gradtut.setup()`` makes random ops
+    deterministic, so an unseeded shuffle would give both workers the same batches."""
+    def batches():
+        pid = tf.strings.to_number(tf.strings.split(tf.io.read_file("/proc/self/stat"))[0],
+                                   tf.int64)
+        return (tf.data.Dataset.from_tensor_slices((x, y)).repeat().skip(pid % len(x))
+                .batch(batch_size, drop_remainder=True)
+                .map(lambda xs, ys: (xs, ys, tf.fill([batch_size], pid))))
+    return batches
+
+
+def _join_before(coordinator, deadline, timeout_s):
+    """``coordinator.join()``, but raise TimeoutError at ``deadline`` instead of waiting for a
+    dead worker forever."""
+    while not coordinator.done():  # done() raises a scheduled step's error, as join() does
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"parameter-server training did not finish within {timeout_s} s: "
+                               "are the workers alive? The coordinator waits for a dead worker "
+                               "to come back")
+        time.sleep(0.005)
+    coordinator.join()
+
+
+def _step_records(values, cluster):
+    """Per-step lists from the values each step returned (see ``_parameter_server_step``)."""
+    columns = list(zip(*[[float(v) for v in value] for value in values]))
+    loss, read, before_update, began, ended, pid = columns
+    tasks = {} if cluster is None else {
+        proc.pid: index for (job, index), proc in cluster.processes.items() if job == "worker"}
+    workers = [tasks.get(int(p), int(p)) for p in pid]
+    if tasks and not set(workers) <= set(tasks.values()):
+        raise RuntimeError(f"steps ran in processes {sorted(set(workers) - set(tasks.values()))} "
+                           f"that are not the cluster's workers {sorted(tasks)}")
+    return {"losses": list(loss), "read": [int(v) for v in read],
+            "read_before_update": [int(v) for v in before_update], "worker": workers,
+            "began": list(began),
+            "seconds": list(ended)}
+
+
+def _parameter_server_step(strategy, model, optimizer, version, attempts):
     """The step a worker runs: one batch from its own dataset, one update of the shared
-    weights, and the version counter read before and after."""
+    weights. TensorFlow orders stateful ops only within one variable, so the explicit control
+    dependencies put the counter's reads where they belong: the first before the weights are
+    read, the second after the gradient is computed and before it is applied, and the
+    increment after the update."""
     @tf.function
-    def step(iterator):
+    def step(iterator, step_id):
         def replica(xs, ys, worker):
-            begin, read = tf.timestamp(), version.read_value()
-            with tf.GradientTape() as tape:
+            counted = attempts.assign_add(tf.one_hot(step_id, tf.shape(attempts)[0],
+                                                     dtype=tf.int64))
+            with tf.control_dependencies([counted]):
+                begin, read = tf.timestamp(), version.read_value()
+            with tf.control_dependencies([read]), tf.GradientTape() as tape:
                 loss = _DIGITS_LOSS(ys, model(xs, training=True))
-            optimizer.apply(tape.gradient(loss, model.trainable_variables),
-                            model.trainable_variables)
-            applied = version.assign_add(1)
-            return (loss, tf.cast(read, tf.float64), tf.cast(applied, tf.float64), begin,
-                    tf.timestamp(), tf.cast(worker[0], tf.float64))
+            grads = tape.gradient(loss, model.trainable_variables)
+            with tf.control_dependencies(grads):
+                before_update = version.read_value()
+            with tf.control_dependencies([before_update]):
+                optimizer.apply(grads, model.trainable_variables)
+            with tf.control_dependencies([tf.identity(v.value)
+                                          for v in model.trainable_variables]):
+                counted_update = version.assign_add(1, read_value=False)
+            with tf.control_dependencies([counted_update]):
+                end = tf.timestamp()
+            return (loss, tf.cast(read, tf.float64), tf.cast(before_update, tf.float64), begin,
+                    end, tf.cast(worker[0], tf.float64))
         return strategy.run(replica, args=next(iterator))
     return step
 

@@ -22,21 +22,9 @@ from gradtut import data_parallel
 from gradtut.checks import (check_int, check_keras_model, check_loss_fn, check_real,
                             checked_batch)
 from gradtut.data_parallel import regularization_gradients
-from gradtut.measure import compare_timings, peak_memory_bytes
+from gradtut.measure import compare_timings, peak_memory_bytes, time_callable
 from gradtut.per_example import per_example_losses
 from gradtut.session import allocator_has_stats, run_in_subprocess
-
-
-def _int_from_1_to(value, name, maximum, what):
-    """``value`` as an int from 1 to ``maximum`` (``what`` says what the maximum is); the
-    meaning of an int is :func:`gradtut.checks.check_int`'s (bools and floats refused)."""
-    try:
-        number = check_int(value, name)
-    except ValueError:
-        number = None
-    if number is None or number > maximum:
-        raise ValueError(f"{name} must be an int from 1 to {what} ({maximum}), got {value!r}")
-    return number
 
 
 # --- gradient accumulation -----------------------------------------------------------------
@@ -97,8 +85,8 @@ def accumulated_gradients(model, loss_fn, x, y, micro_batch_size):
     check_keras_model(model)
     check_loss_fn(loss_fn)
     x, y, batch = checked_batch(x, y)
-    micro_batch_size = _int_from_1_to(micro_batch_size, "micro_batch_size", batch,
-                                      "the batch size")
+    micro_batch_size = check_int(micro_batch_size, "micro_batch_size", maximum=batch,
+                                 what_maximum="the batch size")
     gradient_of_sum = _summed_gradient_fn(model, loss_fn)
     sums = None
     for start in range(0, batch, micro_batch_size):
@@ -283,8 +271,8 @@ def checkpointed(layers, num_segments):
         if not isinstance(layer, keras.layers.Layer):
             raise TypeError(f"layers[{i}] is {type(layer).__name__}, not a Keras layer; pass "
                             "Keras layers, e.g. model.layers")
-    segments = _segments(layers, _int_from_1_to(num_segments, "num_segments", len(layers),
-                                                "the number of layers"))
+    segments = _segments(layers, check_int(num_segments, "num_segments", maximum=len(layers),
+                                           what_maximum="the number of layers"))
 
     def segment_fn(segment):
         def run(x):
@@ -470,6 +458,7 @@ def compare_compilation(fn, *args, repeats=7, rtol=1e-2, atol=1e-6):
       ...                              repeats=1)
       >>> sorted(result), result["eager"]["ratio"]
       (['eager', 'tf.function', 'xla'], 1.0)
+      >>> # a timing, different on every run, so not checked as a doctest:
       >>> result["xla"]["ratio"]  # doctest: +SKIP
       0.31
     """
@@ -510,8 +499,6 @@ def large_intermediate_ms(size=2048, repeats=9):
       >>> sorted(large_intermediate_ms(size=16, repeats=1))
       ['allocator_stats', 'median_ms']
     """
-    import time
-
     size, repeats = check_int(size, "size"), check_int(repeats, "repeats")
     x = tf.random.stateless_normal((size, size), seed=(1, 2))
 
@@ -519,13 +506,8 @@ def large_intermediate_ms(size=2048, repeats=9):
     def step(x):
         return tf.reduce_sum(tf.nn.relu(tf.matmul(x, x)) * 2.0 + x)
 
-    step(x).numpy()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step(x).numpy()
-        times.append(time.perf_counter() - start)
-    return {"median_ms": 1e3 * float(np.median(times)), "allocator_stats": allocator_has_stats()}
+    timing = time_callable(step, x, repeats=repeats)
+    return {"median_ms": 1e3 * timing.median_s, "allocator_stats": allocator_has_stats()}
 
 
 def allocator_workloads(size=2048, batch_size=256, repeats=7):

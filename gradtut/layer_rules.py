@@ -117,11 +117,39 @@ def rule_for(layer):
       ('dense', None)
     """
     _check_layer(layer, "rule_for")
+    if not layer.trainable or not layer.trainable_variables:
+        return None
+    rule, reason = _lookup(layer)
+    return rule if reason is None else None
+
+
+def _lookup(layer):
+    """``(rule, None)`` when a registered rule takes ``layer``; ``(None, why not)`` otherwise."""
     rule = _RULES.get(type(layer))
-    if rule is None or not layer.trainable or not layer.trainable_variables:
-        return None
-    if rule.unsupported(layer) is not None:
-        return None
+    if rule is None:
+        return None, f"no rule registered for {type(layer).__name__}"
+    reason = rule.unsupported(layer)
+    return (rule, None) if reason is None else (None, reason)
+
+
+def unregister_rule(layer_class):
+    """Remove the rule registered for exactly ``layer_class``, so its layers fall back again;
+    returns the removed rule, or None if there was none. Functions traced before are rebuilt,
+    as after :func:`register_rule`.
+
+    Raises:
+      TypeError: ``layer_class`` is not a Keras layer class.
+
+    Example:
+      >>> class Twice(keras.layers.Layer):
+      ...     pass
+      >>> unregister_rule(Twice) is None
+      True
+    """
+    if not (isinstance(layer_class, type) and issubclass(layer_class, keras.layers.Layer)):
+        raise TypeError(f"unregister_rule needs a Keras layer class, got {layer_class!r}")
+    rule = _RULES.pop(layer_class, None)
+    _VERSION[0] += 1
     return rule
 
 
@@ -136,13 +164,8 @@ def explain(layer):
       ('vectorized fallback', 'no rule registered for PReLU')
     """
     _check_layer(layer, "explain")
-    rule = _RULES.get(type(layer))
-    if rule is None:
-        return "vectorized fallback", f"no rule registered for {type(layer).__name__}"
-    reason = rule.unsupported(layer)
-    if reason is not None:
-        return "vectorized fallback", reason
-    return rule.name, ""
+    rule, reason = _lookup(layer)
+    return ("vectorized fallback", reason) if rule is None else (rule.name, "")
 
 
 class LayerRule:
@@ -399,18 +422,35 @@ class EmbeddingRule(LayerRule):
                                              tf.reshape(a, [-1]), layer.input_dim)]
 
 
-def _patches(x, kernel_size, strides, padding, dilation_rate):
+def conv_patches(x, kernel_size, strides, padding, dilation_rate):
     """Image patches of a channels-last ``x [B, *spatial, C]`` for any spatial rank:
     ``[B, *out_spatial, K * C]`` with K = prod(kernel_size), ordered (kernel position,
-    channel) like a kernel's ``[*kernel_size, C]``.
+    channel) like a kernel's ``[*kernel_size, C]``: ``patches @ kernel.reshape([K * C, -1])``
+    is the convolution.
 
     A convolution with a one-hot ``[*kernel_size, C, K * C]`` kernel copies each patch into
     the channels, so strides, dilation and padding follow the layer's own convolution
     exactly; it serves 3-D, and 1-D/2-D patches up to 64 wide. Wider 2-D patches use
     ``extract_patches`` (a gather): on this CPU the one-hot convolution was 2-5x faster for
-    3x3 kernels on 1-3 channels and no faster from 8 channels on."""
-    if len(kernel_size) == 1:  # a 1-D signal is a 2-D image of height 1
-        return _patches(x[:, None], (1, *kernel_size), (1, *strides), padding,
+    3x3 kernels on 1-3 channels and no faster from 8 channels on.
+
+    Raises:
+      ValueError: ``x``'s rank is not 2 + len(kernel_size), or ``strides`` or
+        ``dilation_rate`` have another length than ``kernel_size``.
+
+    Example:
+      >>> x = tf.reshape(tf.range(16.0), [1, 4, 4, 1])
+      >>> conv_patches(x, (2, 2), (2, 2), "valid", (1, 1))[0, 0, 0].numpy().tolist()
+      [0.0, 1.0, 4.0, 5.0]
+    """
+    spatial = len(kernel_size)
+    if x.shape.rank != spatial + 2 or len(strides) != spatial or len(dilation_rate) != spatial:
+        raise ValueError(f"conv_patches needs x of rank {spatial + 2} ([B, *spatial, C]) and "
+                         f"{spatial} strides and dilation rates for a {spatial}-D kernel; got x "
+                         f"of shape {x.shape}, strides {tuple(strides)}, dilation "
+                         f"{tuple(dilation_rate)}")
+    if spatial == 1:  # a 1-D signal is a 2-D image of height 1
+        return conv_patches(x[:, None], (1, *kernel_size), (1, *strides), padding,
                         (1, *dilation_rate))[:, 0]
     channels = x.shape[-1]
     k = 1
@@ -452,7 +492,7 @@ class _ConvRule(LayerRule):
         x, padding = a
         if layer.data_format == "channels_first":
             x, g = _channels_last(x), _channels_last(g)
-        p = _patches(x, layer.kernel_size, layer.strides, padding, layer.dilation_rate)
+        p = conv_patches(x, layer.kernel_size, layer.strides, padding, layer.dilation_rate)
         k_c = p.shape[-1]
         return _rows(p, k_c), _rows(g, layer.filters)
 
@@ -534,7 +574,7 @@ class _DepthwiseRule(LayerRule):
         if layer.data_format == "channels_first":
             a, g = _channels_last(a), _channels_last(g)
         channels, multiplier = layer.kernel.shape[-2], layer.kernel.shape[-1]
-        p = _patches(a, layer.kernel_size, layer.strides, layer.padding, layer.dilation_rate)
+        p = conv_patches(a, layer.kernel_size, layer.strides, layer.padding, layer.dilation_rate)
         p = tf.reshape(_rows(p, p.shape[-1]), [tf.shape(a)[0], -1, p.shape[-1] // channels,
                                                channels])
         g = _rows(g, channels * multiplier)

@@ -225,7 +225,14 @@ def _cached(model, key, build):
 # ------------------------------------------------------- a TensorFlow bug we refuse to return
 
 
-def _onednn_enabled():
+def onednn_enabled():
+    """Whether this TensorFlow runs with oneDNN's CPU kernels (TensorFlow's default on x86;
+    ``TF_ENABLE_ONEDNN_OPTS=0`` turns them off before TensorFlow starts).
+
+    Example:
+      >>> onednn_enabled() in (True, False)
+      True
+    """
     try:
         from tensorflow.python.util import _pywrap_util_port  # pylint: disable=import-outside-toplevel
 
@@ -237,8 +244,8 @@ def _onednn_enabled():
 def broadcast_matmul_hazards(graph):
     """Batch matmuls in a traced graph that TensorFlow 2.21's oneDNN kernel gets wrong.
 
-    With oneDNN on (TensorFlow's default on x86 CPUs with AVX512-VNNI, AVX-VNNI or AMX, as
-    here), ``tf.linalg.matmul`` of a ``[8, 1, 4, 8]`` tensor with
+    With oneDNN on (TensorFlow's default on x86 CPUs with AVX512-VNNI, AVX-VNNI or AMX; off
+    on older ones, see :func:`onednn_enabled`), ``tf.linalg.matmul`` of a ``[8, 1, 4, 8]`` tensor with
     an ``[8, 8]`` matrix returns garbage or corrupts the heap (tensorflow/tensorflow#117700;
     fixed upstream by PR #120199, after 2.21). ``tf.vectorized_map`` and ``tape.jacobian``
     create exactly such ops from a layer's ``[1, T, d] @ [d, n]`` (attention, Dense on
@@ -258,14 +265,14 @@ def broadcast_matmul_hazards(graph):
     Example:
       >>> fn = tf.function(lambda a: tf.linalg.matmul(a, tf.ones([8, 8])))
       >>> graph = fn.get_concrete_function(tf.TensorSpec([8, 1, 4, 8])).graph
-      >>> len(broadcast_matmul_hazards(graph)) == _onednn_enabled()  # flagged only with oneDNN
+      >>> len(broadcast_matmul_hazards(graph)) == onednn_enabled()  # flagged only with oneDNN
       True
     """
     if not isinstance(graph, tf.Graph):
         fix = (" (a tf.function: pass fn.get_concrete_function(*args).graph)"
                if hasattr(graph, "get_concrete_function") else "")
         raise TypeError(f"graph must be a tf.Graph, got {type(graph).__name__}{fix}")
-    if not _onednn_enabled():
+    if not onednn_enabled():
         return []
     found, seen = [], set()
 
@@ -274,7 +281,7 @@ def broadcast_matmul_hazards(graph):
             return
         seen.add(id(g))
         for op in g.get_operations():
-            if op.type in ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3") and _hazard(op):
+            if is_broadcast_matmul_hazard(op):
                 found.append(f"{op.name}: {op.inputs[0].shape} @ {op.inputs[1].shape}")
         for function in getattr(g, "_functions", {}).values():
             if getattr(function, "graph", None) is not None:
@@ -284,7 +291,25 @@ def broadcast_matmul_hazards(graph):
     return found
 
 
-def _hazard(op):
+def is_broadcast_matmul_hazard(op):
+    """Whether ``op`` (an operation of a traced graph) is a batch matmul of the shape that
+    :func:`broadcast_matmul_hazards` flags, whether or not oneDNN is on.
+
+    Raises:
+      TypeError: ``op`` is not a ``tf.Operation``.
+
+    Example:
+      >>> fn = tf.function(lambda a: tf.linalg.matmul(a, tf.ones([8, 8])))
+      >>> graph = fn.get_concrete_function(tf.TensorSpec([8, 1, 4, 8])).graph
+      >>> [is_broadcast_matmul_hazard(op) for op in graph.get_operations()
+      ...  if op.type.startswith("BatchMatMul")]
+      [True]
+    """
+    if not isinstance(op, tf.Operation):
+        raise TypeError(f"op must be a tf.Operation of a graph (graph.get_operations()), got "
+                        f"{type(op).__name__}")
+    if op.type not in ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
+        return False
     a, b = (t.shape for t in op.inputs[:2])
     if a.rank is None or b.rank is None:
         return True

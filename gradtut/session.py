@@ -232,7 +232,7 @@ def allocator_has_stats(device="CPU:0"):
 
 # --- running a function in a fresh Python process -------------------------------------------
 # The package's one way to do it: run_in_subprocess (one child, wait for it), and the
-# multi-worker launcher in gradtut.data_parallel (several children at once), both build the
+# cluster launchers in gradtut.cluster (several children at once), both build the
 # child's command with child_command and read its answer with child_result.
 
 _RESULT_MARK = "@@RESULT@@"

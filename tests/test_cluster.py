@@ -46,29 +46,34 @@ def test_worker_error_is_a_runtime_error_with_its_message():
         raise WorkerError("worker 1 of 2 exited with code 17; stopped the others")
 
 
-def test_workers_die_with_a_killed_parent():
-    """A notebook kernel killed outright (no finally blocks run) still leaves no worker."""
+@pytest.mark.parametrize("start, pattern, count", [
+    ("from gradtut.cluster import launch_local_workers; "
+     "launch_local_workers('signal:pause', 2, timeout_s=600)", "signal pause", 2),
+    ("import signal; from gradtut.cluster import parameter_server_cluster\n"
+     "with parameter_server_cluster(2, 1, timeout_s=120): signal.pause()",
+     "gradtut.cluster serve", 3)])
+def test_cluster_processes_die_with_a_killed_parent(start, pattern, count):
+    """A notebook kernel killed outright (no finally blocks run) still leaves no worker or
+    parameter server behind."""
     import signal
     import sys
     import time
 
-    parent = subprocess.Popen([sys.executable, "-c",
-                               "from gradtut.cluster import launch_local_workers; "
-                               "launch_local_workers('signal:pause', 2, timeout_s=600)"])
+    parent = subprocess.Popen([sys.executable, "-c", start])
     try:
-        for _ in range(100):  # wait until both workers are up
-            if subprocess.run(["pgrep", "-f", "signal pause"], capture_output=True,
-                              text=True).stdout.count("\n") >= 2:
+        for _ in range(300):  # wait until every process is up
+            if subprocess.run(["pgrep", "-f", pattern], capture_output=True,
+                              text=True).stdout.count("\n") >= count:
                 break
             time.sleep(0.1)
-        assert not no_process_matches("signal pause")
+        assert not no_process_matches(pattern)
         parent.send_signal(signal.SIGKILL)
         parent.wait()
         for _ in range(50):
-            if no_process_matches("signal pause"):
+            if no_process_matches(pattern):
                 break
             time.sleep(0.1)
-        assert no_process_matches("signal pause")
+        assert no_process_matches(pattern)
     finally:
         if parent.poll() is None:
             parent.kill()
@@ -146,18 +151,27 @@ import tensorflow as tf
 from gradtut.cluster import parameter_server_cluster
 from gradtut.data_parallel import train_with_parameter_servers
 tf.get_logger().setLevel("CRITICAL")
-steps, kill_after = int(sys.argv[1]), json.loads(sys.argv[2])
+steps, kill_after, kill_all_first = int(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3] == "1"
 with parameter_server_cluster(2, 1, timeout_s=120) as cluster:
     pids = cluster.pids()
     strategy = tf.distribute.experimental.ParameterServerStrategy(cluster.resolver())
-    result = train_with_parameter_servers(strategy, steps, kill_worker_after=kill_after,
-                                          cluster=cluster)
-print("@@" + json.dumps({**result, "pids": pids}))
+    if kill_all_first:
+        cluster.kill("worker", 0), cluster.kill("worker", 1)
+        try:
+            result = train_with_parameter_servers(strategy, steps, cluster=cluster, timeout_s=5)
+        except TimeoutError as err:
+            result = {"error": str(err)}
+    else:
+        result = train_with_parameter_servers(strategy, steps, kill_worker_after=kill_after,
+                                              cluster=cluster)
+print("@@" + json.dumps({**result, "pids": pids}), flush=True)
+os._exit(0)  # the coordinator's threads may still wait for the dead workers
 """
 
 
-def coordinate(steps, kill_after):
-    proc = subprocess.run([sys.executable, "-c", COORDINATOR, str(steps), json.dumps(kill_after)],
+def coordinate(steps, kill_after, kill_all_first=False):
+    proc = subprocess.run([sys.executable, "-c", COORDINATOR, str(steps), json.dumps(kill_after),
+                           "1" if kill_all_first else "0"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.rsplit("@@", 1)[1])
@@ -172,12 +186,28 @@ def gone(pid):
 
 
 def test_parameter_server_training_learns_and_survives_a_killed_worker():
-    result = coordinate(120, kill_after=60)
+    steps = 120
+    result = coordinate(steps, kill_after=60)
     # every scheduled step returned; an update may be applied twice (at-least-once), never lost
-    assert len(result["losses"]) == 120 and result["updates"] >= 120
+    assert len(result["losses"]) == steps and result["updates"] >= steps
+    assert all(a >= 1 for a in result["attempts"]) and len(result["attempts"]) == steps
+    assert result["updates"] <= sum(result["attempts"])  # an update per attempt at most
     assert result["held_out_loss"] < 1.2, result["held_out_loss"]  # from about 2.3 at the start
-    assert sorted(set(result["worker"])) == [0, 1]  # both workers ran steps
+    assert sorted(set(result["worker"])) == [0, 1]  # task indices: both workers ran steps
+    # the killed worker (task 1) started nothing after the kill
+    assert not any(w == 1 and b > result["killed_at"]
+                   for w, b in zip(result["worker"], result["began"]))
+    # the version counter, read before the weights and again before the step's own update
+    assert all(0 <= r <= r2 < result["updates"]
+               for r, r2 in zip(result["read"], result["read_before_update"]))
+    assert all(d.startswith("/job:ps/") for d in result["variables_on"]), result["variables_on"]
     assert result["killed_at"] is not None and result["wall_seconds"] < 120
+    assert all(gone(pid) for pid in result["pids"]), "a cluster process outlived the block"
+
+
+def test_parameter_server_training_with_every_worker_dead_times_out():
+    result = coordinate(10, kill_after=None, kill_all_first=True)
+    assert "did not finish within 5 s" in result["error"], result
     assert all(gone(pid) for pid in result["pids"]), "a cluster process outlived the block"
 
 

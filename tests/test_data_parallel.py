@@ -353,7 +353,7 @@ def test_backup_and_restore_resumes_at_the_start_of_the_interrupted_epoch(
         tmp_path, uninterrupted_fit, save_freq, equal):
     """Killed after batch 8 of epoch 1, the rerun starts epoch 1 from batch 0: Keras 3 restores
     the epoch, not the batch. With one backup per epoch nothing is repeated and the weights
-    equal an uninterrupted run exactly; with a backup every 5 batches, batches 0-9 of epoch 1
+    equal an uninterrupted run exactly; with a backup every 5 batches, batches 0-5 of epoch 1
     are trained twice."""
     run = {"backup_dir": str(tmp_path), "epochs": 2, "save_freq": save_freq}
     crash = run_until_marker_then_kill("gradtut.data_parallel", "fit_with_backup",
@@ -385,6 +385,10 @@ def test_the_training_runs_refuse_bad_input(tmp_path):
         train_with_parameter_servers(tf.distribute.get_strategy(), 10, kill_worker_after=10)
     with pytest.raises(TypeError, match="strategy must be a ParameterServerStrategy"):
         train_with_parameter_servers(tf.distribute.get_strategy(), 10)
+    with pytest.raises(ValueError, match="kill_worker_after needs cluster="):
+        train_with_parameter_servers(tf.distribute.get_strategy(), 10, kill_worker_after=5)
+    with pytest.raises(ValueError, match="timeout_s must be a positive number of seconds"):
+        train_with_parameter_servers(tf.distribute.get_strategy(), 10, timeout_s=0)
 
 
 def test_one_device_and_mirrored_digits_training_are_the_same_computation():

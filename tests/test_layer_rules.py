@@ -16,8 +16,8 @@ from gradtut.layer_rules import (DenseRule, EinsumDenseRule, EmbeddingRule, Grou
                                  LayerNormalizationRule, LayerRule, RMSNormalizationRule,
                                  covered_layers, explain, one_pass, per_example_of, recording,
                                  register_rule, registry_version, rule_for, sq_norms_of,
-                                 squared_norms, weighted_sum_of)
-from gradtut.per_example import (_onednn_enabled, clipped_gradient, per_example_gradient_norms,
+                                 squared_norms, unregister_rule, weighted_sum_of)
+from gradtut.per_example import (clipped_gradient, onednn_enabled, per_example_gradient_norms,
                                  per_example_gradients, per_example_plan)
 from model_zoo import LOSS
 
@@ -62,7 +62,7 @@ def scale_rule():
             return [tf.reduce_sum(a * g, axis=list(range(1, a.shape.rank - 1)))]
 
     yield ScaleRule
-    del layer_rules._RULES[Scale]
+    assert unregister_rule(Scale) is not None
 
 
 def test_a_registered_rule_for_a_custom_layer_matches_the_loop(scale_rule):
@@ -106,7 +106,9 @@ def test_register_rule_refuses_what_is_not_a_layer_class_or_a_rule():
         register_rule("Dense")
     with pytest.raises(TypeError, match="decorates a LayerRule subclass"):
         register_rule(Scale)(object)
-    assert Scale not in layer_rules._RULES
+    assert explain(Scale()) == ("vectorized fallback", "no rule registered for Scale")
+    with pytest.raises(TypeError, match="unregister_rule needs a Keras layer class"):
+        unregister_rule("Scale")
 
 
 def test_lora_layers_fall_back_with_the_reason():
@@ -134,7 +136,7 @@ REPRODUCTION = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(_onednn_enabled(), strict=True, raises=AssertionError,
+@pytest.mark.xfail(onednn_enabled(), strict=True, raises=AssertionError,
                    reason="TensorFlow 2.21's oneDNN BatchMatMul broadcasts [8, 1, 4, 8] @ [8, 8] "
                           "wrongly or corrupts the heap (tensorflow/tensorflow#117700, fixed "
                           "upstream by PR #120199). gradtut refuses such graphs; when this "
@@ -155,7 +157,7 @@ def test_plain_tensorflow_reproduction_of_the_onednn_broadcast_matmul_bug():
 
 
 def test_the_hazard_check_flags_that_op_and_not_its_safe_neighbours():
-    from gradtut.per_example import _hazard, broadcast_matmul_hazards
+    from gradtut.per_example import broadcast_matmul_hazards, is_broadcast_matmul_hazard
 
     def matmuls(a_shape, b_shape):
         fn = tf.function(lambda a, b: tf.linalg.matmul(a, b))
@@ -163,17 +165,18 @@ def test_the_hazard_check_flags_that_op_and_not_its_safe_neighbours():
         return graph, [op for op in graph.get_operations() if "MatMul" in op.type]
 
     graph, ops = matmuls([8, 1, 4, 8], [8, 8])
-    assert [_hazard(op) for op in ops] == [True]
-    assert len(broadcast_matmul_hazards(graph)) == _onednn_enabled()  # only oneDNN is affected
+    assert [is_broadcast_matmul_hazard(op) for op in ops] == [True]
+    assert len(broadcast_matmul_hazards(graph)) == onednn_enabled()  # only oneDNN is affected
     for safe in ([8, 4, 8], [8, 8]), ([8, 2, 4, 8], [8, 8]), ([8, 1, 4, 8], [8, 1, 8, 8]):
-        assert [_hazard(op) for op in matmuls(*safe)[1]] == [False], safe
+        assert [is_broadcast_matmul_hazard(op) for op in matmuls(*safe)[1]] == [False], safe
+    with pytest.raises(TypeError, match="op must be a tf.Operation of a graph"):
+        is_broadcast_matmul_hazard(ops[0].outputs[0])
 
 
 def test_registering_a_rule_rebuilds_functions_traced_before(scale_rule):
     """A model traced with the fallback must use a rule registered afterwards (and the plan and
     the numbers must agree), not a stale cached function."""
-    del layer_rules._RULES[Scale]
-    layer_rules._VERSION[0] += 1
+    unregister_rule(Scale)
     model = scale_model(Scale)
     rng = np.random.default_rng(10)
     x, y = rng.normal(size=(4, 3, 5)).astype("float32"), rng.integers(0, 3, 4)
@@ -220,9 +223,17 @@ def _numpy_patches(x, k, stride, dilation, padding):
                          [(3, 1, 1, "same"), (3, 2, 1, "valid"), (2, 1, 2, "same"), (3, 2, 1, "same")])
 def test_both_patch_paths_match_explicit_patch_extraction(channels, k, stride, dilation, padding):
     x = np.random.default_rng().normal(size=(2, 7, 6, channels)).astype("float32")
-    got = layer_rules._patches(tf.constant(x), (k, k), (stride, stride), padding,
-                               (dilation, dilation)).numpy()
+    got = layer_rules.conv_patches(tf.constant(x), (k, k), (stride, stride), padding,
+                                   (dilation, dilation)).numpy()
     np.testing.assert_allclose(got, _numpy_patches(x, k, stride, dilation, padding), rtol=0, atol=1e-6)
+
+
+def test_conv_patches_refuses_mismatched_ranks():
+    x = tf.zeros([2, 7, 6, 3])
+    with pytest.raises(ValueError, match=r"needs x of rank 3 .* for a 1-D kernel"):
+        layer_rules.conv_patches(x, (3,), (1,), "same", (1,))
+    with pytest.raises(ValueError, match="2 strides and dilation rates for a 2-D kernel"):
+        layer_rules.conv_patches(x, (3, 3), (1,), "same", (1, 1))
 
 
 # ------------------------------------------------------------------------------ bad input
@@ -252,7 +263,7 @@ def test_a_rule_is_refused_for_a_layer_type_it_was_not_written_for():
     with pytest.raises(TypeError, match="DenseRule is written for Dense layers, and Conv2D is not "
                                         "one; subclass LayerRule for Conv2D instead"):
         register_rule(keras.layers.Conv2D)(DenseRule)
-    assert layer_rules._RULES[keras.layers.Conv2D].name == "conv2d"
+    assert explain(keras.layers.Conv2D(2, 3)) == ("conv2d", "")
     conv, dense = keras.layers.Conv2D(2, 3), keras.layers.Dense(2)
     with pytest.raises(TypeError, match="DenseRule is the rule for Dense layers, got Conv2D"):
         DenseRule().unsupported(conv)

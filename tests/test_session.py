@@ -42,7 +42,7 @@ def test_a_different_device_count_in_the_same_process_says_restart():
         gradtut.setup(seed=0)  # one CPU device, but this process started with 4
 
 
-@pytest.mark.parametrize("bad", [0, -1, 2.0, "2"])
+@pytest.mark.parametrize("bad", [0, -1, 2.0, "2", True])
 def test_virtual_cpus_must_be_a_positive_int(bad):
     with pytest.raises(ValueError, match="positive int"):
         gradtut.setup(virtual_cpus=bad)
@@ -87,7 +87,7 @@ def test_setup_first_gives_allocator_statistics_even_without_onednn():
     assert proc.stdout.strip() == "True"
 
 
-@pytest.mark.parametrize("bad", [0, -2, 1.0, "1"])
+@pytest.mark.parametrize("bad", [0, -2, 1.0, "1", True])
 def test_intra_op_threads_must_be_a_positive_int(bad):
     with pytest.raises(ValueError, match="intra_op_threads must be None or a positive int"):
         gradtut.setup(intra_op_threads=bad, **AS_CONFTEST)

@@ -5,6 +5,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from gradtut.checks import check_int
 from gradtut.model_parallel.placement import StagedModel
 
 
@@ -57,39 +58,53 @@ def _forward(staged, clocks, j, x, y, loss_fn, batch, training):
     """Micro-batch ``j`` through every stage; returns ``{stage: (tape, input, output)}``, the
     last output being the micro-batch's share of the loss."""
     saved, h, handed_over = {}, x, None  # handed_over: when the previous stage finished it
-    for s in range(len(staged.stages)):
+    last = len(staged.stages) - 1
+    for s in range(last + 1):
         with tf.device(staged.devices[s]):
             start = _clock_after(h, clocks.last[s], handed_over)
-            with tf.control_dependencies([start]):
-                h_in = tf.identity(h)
-                with tf.GradientTape() as tape:
-                    tape.watch(h_in)
-                    h = out = staged.stage_forward(s, h_in, training=training)
-                    if s == len(staged.stages) - 1:
-                        out = _weighted_loss(loss_fn, y, h, batch)
+            loss = (loss_fn, y, batch) if s == last else None
+            tape, h_in, h, out = _taped_stage_forward(staged, s, h, start, training, loss)
             handed_over = clocks.record(s, j, "forward", start, _clock_after(out))
             saved[s] = tape, h_in, out
     return saved
+
+
+def _taped_stage_forward(staged, s, h, start, training, loss=None):
+    """Stage ``s`` on ``h``, after ``start``, on a tape that watches its input. Returns
+    ``(tape, input, output, out)``: ``out`` is the output, or with ``loss=(loss_fn, y, batch)``
+    the micro-batch's share of the loss."""
+    with tf.control_dependencies([start]):
+        h_in = tf.identity(h)
+        with tf.GradientTape() as tape:
+            tape.watch(h_in)
+            h = staged.stage_forward(s, h_in, training=training)
+            out = h if loss is None else _weighted_loss(loss[0], loss[1], h, loss[2])
+    return tape, h_in, h, out
 
 
 def _backward(staged, clocks, j, saved, totals, offsets):
     """Micro-batch ``j``'s gradients back through every stage, added into ``totals``."""
     upstream = handed_over = None
     for s in reversed(range(len(staged.stages))):
-        tape, h_in, out = saved[s]
-        variables = staged.stage_variables(s)
         with tf.device(staged.devices[s]):
             start = _clock_after(upstream, clocks.last[s], handed_over)
-            with tf.control_dependencies([start]):
-                sources = variables if s == 0 else [h_in] + variables
-                grads = tape.gradient(out, sources, output_gradients=upstream,
-                                      unconnected_gradients="zero")
-                if s > 0:
-                    upstream, grads = grads[0], grads[1:]
-                for k, g in enumerate(grads):
-                    totals[offsets[s] + k] = totals[offsets[s] + k] + g
+            upstream, grads = _stage_backward(saved[s], staged.stage_variables(s), upstream,
+                                              start, first=s == 0)
+            for k, g in enumerate(grads):
+                totals[offsets[s] + k] = totals[offsets[s] + k] + g
             handed_over = clocks.record(s, j, "backward", start, _clock_after(
                 *totals[offsets[s]:offsets[s + 1]], upstream))
+
+
+def _stage_backward(saved, variables, upstream, start, first):
+    """One stage's backward pass, after ``start``: ``(gradient for the stage before, or None
+    for the first stage, gradients of its variables)``."""
+    tape, h_in, out = saved
+    with tf.control_dependencies([start]):
+        sources = variables if first else [h_in] + variables
+        grads = tape.gradient(out, sources, output_gradients=upstream,
+                              unconnected_gradients="zero")
+    return (None, grads) if first else (grads[0], grads[1:])
 
 
 def _gpipe_step(staged, loss_fn, sizes, training):
@@ -170,12 +185,9 @@ def pipeline_gradients(stages, x, y, loss_fn, num_microbatches, *, training=Fals
         raise ValueError("the batch is empty: pass at least one example")
     if y.shape[0] != batch:
         raise ValueError(f"x has {batch} examples but y has {y.shape[0]}: they must match")
-    if (not isinstance(num_microbatches, (int, np.integer)) or isinstance(num_microbatches, bool)
-            or not 1 <= num_microbatches <= batch):  # check_int's rule, with an upper bound
-        raise ValueError(
-            f"num_microbatches must be an int from 1 to the batch size ({batch}), got "
-            f"{num_microbatches!r}: each micro-batch needs at least one example")
-    sizes = _microbatch_sizes(batch, int(num_microbatches))
+    num_microbatches = check_int(num_microbatches, "num_microbatches", maximum=batch,
+                                 what_maximum="the batch size")  # one example each at least
+    sizes = _microbatch_sizes(batch, num_microbatches)
     key = (id(loss_fn), tuple(sizes), bool(training))
     if key not in stages._pipelines:
         stages._pipelines[key] = (loss_fn,) + _gpipe_step(stages, loss_fn, sizes, training)
