@@ -717,16 +717,17 @@ def train_with_parameter_servers(strategy, steps, batch_size=32, learning_rate=0
 
     start = time.time()  # the clock tf.timestamp reads on the workers (one machine)
     first = kill_worker_after or steps
-    results, killed = schedule(range(first)), None
+    results, killed = {}, None
     if kill_worker_after is not None:
-        _join_before(coordinator, deadline, timeout_s)
-        results += schedule(range(first, steps))
+        _run_steps(coordinator, schedule, range(first), results, deadline, timeout_s)
+        results.update(zip(range(first, steps), schedule(range(first, steps))))
         time.sleep(0.05)  # let the scheduled steps start on both workers
         cluster.kill("worker", 1)
         killed = time.time()
-    _join_before(coordinator, deadline, timeout_s)
+    _run_steps(coordinator, schedule, [i for i in range(steps) if i not in results], results,
+               deadline, timeout_s)
     wall = time.time() - start
-    out = _step_records([r.fetch() for r in results], cluster)
+    out = _step_records([results[i].fetch() for i in range(steps)], cluster)
     t0 = min(out["began"])
     out["began"] = [t - t0 for t in out["began"]]
     out["seconds"] = [t - t0 for t in out["seconds"]]
@@ -768,6 +769,36 @@ def _worker_batches(x, y, batch_size):
     return batches
 
 
+def _run_steps(coordinator, schedule, ids, results, deadline, timeout_s):
+    """Schedule steps ``ids`` into ``results`` (``{id: RemoteValue}``) and wait until every
+    step in ``results`` has finished, scheduling again the ones a lost worker took down.
+
+    The coordinator reschedules a step by itself when it recognises the error as a lost
+    worker. A worker killed in the middle of a message can instead surface as
+    ``InternalError: Unable to parse request``, which TensorFlow 2.21's coordinator does not
+    count as one (``_is_worker_failure`` in ``cluster_coordinator.py``): it then cancels every
+    scheduled step ("Please reschedule the function"), and this reschedules what did not
+    finish."""
+    results.update(zip(ids, schedule(ids)))
+    for _ in range(3):
+        try:
+            return _join_before(coordinator, deadline, timeout_s)
+        except tf.errors.InternalError as err:
+            if "/job:worker" not in str(err):
+                raise
+        lost = [i for i, r in results.items() if not _finished(r)]
+        results.update(zip(lost, schedule(lost)))
+    return _join_before(coordinator, deadline, timeout_s)
+
+
+def _finished(remote_value):
+    try:
+        remote_value.fetch()
+    except tf.errors.OpError:  # cancelled, or the step that met the error
+        return False
+    return True
+
+
 def _join_before(coordinator, deadline, timeout_s):
     """``coordinator.join()``, but raise TimeoutError at ``deadline`` instead of waiting for a
     dead worker forever."""
@@ -804,9 +835,14 @@ def _parameter_server_step(strategy, model, optimizer, version, attempts):
     increment after the update."""
     @tf.function
     def step(iterator, step_id):
+        # counted first, before the batch is fetched: a worker killed at any point of the step
+        # leaves the attempt on the parameter server
+        counted = attempts.assign_add(tf.one_hot(step_id, tf.shape(attempts)[0],
+                                                 dtype=tf.int64))
+        with tf.control_dependencies([counted]):
+            batch = next(iterator)
+
         def replica(xs, ys, worker):
-            counted = attempts.assign_add(tf.one_hot(step_id, tf.shape(attempts)[0],
-                                                     dtype=tf.int64))
             with tf.control_dependencies([counted]):
                 begin, read = tf.timestamp(), version.read_value()
             with tf.control_dependencies([read]), tf.GradientTape() as tape:
@@ -823,7 +859,7 @@ def _parameter_server_step(strategy, model, optimizer, version, attempts):
                 end = tf.timestamp()
             return (loss, tf.cast(read, tf.float64), tf.cast(before_update, tf.float64), begin,
                     end, tf.cast(worker[0], tf.float64))
-        return strategy.run(replica, args=next(iterator))
+        return strategy.run(replica, args=batch)
     return step
 
 
