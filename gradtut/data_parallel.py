@@ -663,8 +663,8 @@ def train_with_parameter_servers(strategy, steps, batch_size=32, learning_rate=0
     after its update. ``read_before_update - read`` is how many other updates landed while the
     step computed: how stale its gradient was. (The two reads are plain reads: the value an
     increment returns is a separate read, which another worker's increment can overtake.)
-    Each step also counts its attempts, so a step that a dead worker started and the
-    coordinator ran again shows ``attempts == 2``.
+    Each step also counts its attempts, so a step that ran more than once (an attempt lost
+    with a killed worker, or cancelled because of it, then run again) shows ``attempts >= 2``.
 
     Args:
       strategy: a ``tf.distribute.experimental.ParameterServerStrategy`` (its cluster from
@@ -689,7 +689,8 @@ def train_with_parameter_servers(strategy, steps, batch_size=32, learning_rate=0
 
     Raises:
       TypeError, ValueError: bad arguments (``kill_worker_after`` must be in ``1..steps-1``).
-      TimeoutError: the steps did not finish within ``timeout_s``.
+      TimeoutError: the steps did not finish within ``timeout_s`` (checked between the
+        coordinator's polls: one hung remote call can overrun it).
 
     Example:
       >>> train_with_parameter_servers(tf.distribute.get_strategy(), 10)
@@ -715,7 +716,7 @@ def train_with_parameter_servers(strategy, steps, batch_size=32, learning_rate=0
         return [coordinator.schedule(step, args=(per_worker, tf.constant(i, tf.int64)))
                 for i in ids]
 
-    start = time.time()  # the clock tf.timestamp reads on the workers (one machine)
+    start = time.time()  # for the wall time; the workers' tf.timestamp reads the same clock
     first = kill_worker_after or steps
     results, killed = {}, None
     if kill_worker_after is not None:
@@ -747,7 +748,7 @@ def _check_parameter_server_run(strategy, steps, batch_size, learning_rate, seed
         if not hasattr(cluster, "kill"):
             raise ValueError("kill_worker_after needs cluster=, the LocalCluster to kill a "
                              "worker of")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+    if not check_real(timeout_s, "timeout_s") > 0:
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     if not isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
         raise TypeError(f"strategy must be a ParameterServerStrategy, got "
@@ -779,15 +780,17 @@ def _run_steps(coordinator, schedule, ids, results, deadline, timeout_s):
     count as one (``_is_worker_failure`` in ``cluster_coordinator.py``): it then cancels every
     scheduled step ("Please reschedule the function"), and this reschedules what did not
     finish."""
-    results.update(zip(ids, schedule(ids)))
+    todo = list(ids)
     for _ in range(3):
         try:
+            for i in todo:  # schedule() itself raises an error the coordinator holds
+                results[i] = schedule([i])[0]
             return _join_before(coordinator, deadline, timeout_s)
         except tf.errors.InternalError as err:
             if "/job:worker" not in str(err):
                 raise
-        lost = [i for i, r in results.items() if not _finished(r)]
-        results.update(zip(lost, schedule(lost)))
+        todo = [i for i in sorted(results) if not _finished(results[i])]
+        todo += [i for i in ids if i not in results]
     return _join_before(coordinator, deadline, timeout_s)
 
 

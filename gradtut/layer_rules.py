@@ -37,11 +37,12 @@ import keras
 import tensorflow as tf
 
 _RULES = {}  # exact Keras layer class -> LayerRule instance
-_VERSION = [0]  # bumped on every registration, so callers can drop functions traced before
+_VERSION = [0]  # bumped whenever a rule is registered or removed, so callers can drop functions
+# traced before
 
 
 def registry_version():
-    """A number that changes whenever a rule is registered.
+    """A number that changes whenever a rule is registered or unregistered.
 
     Example:
       >>> isinstance(registry_version(), int)
@@ -444,7 +445,8 @@ def conv_patches(x, kernel_size, strides, padding, dilation_rate):
       [0.0, 1.0, 4.0, 5.0]
     """
     spatial = len(kernel_size)
-    if x.shape.rank != spatial + 2 or len(strides) != spatial or len(dilation_rate) != spatial:
+    if ((x.shape.rank is not None and x.shape.rank != spatial + 2)
+            or len(strides) != spatial or len(dilation_rate) != spatial):
         raise ValueError(f"conv_patches needs x of rank {spatial + 2} ([B, *spatial, C]) and "
                          f"{spatial} strides and dilation rates for a {spatial}-D kernel; got x "
                          f"of shape {x.shape}, strides {tuple(strides)}, dilation "

@@ -226,8 +226,9 @@ def _cached(model, key, build):
 
 
 def onednn_enabled():
-    """Whether this TensorFlow runs with oneDNN's CPU kernels (TensorFlow's default on x86;
-    ``TF_ENABLE_ONEDNN_OPTS=0`` turns them off before TensorFlow starts).
+    """Whether this TensorFlow runs with oneDNN's CPU kernels: TensorFlow's default on Linux x86
+    CPUs with AVX512-VNNI, AVX512_BF16, AVX-VNNI or AMX, and off on older ones (AVX2-only, for
+    one). ``TF_ENABLE_ONEDNN_OPTS=1`` or ``0``, set before TensorFlow starts, decides instead.
 
     Example:
       >>> onednn_enabled() in (True, False)

@@ -389,6 +389,8 @@ def test_the_training_runs_refuse_bad_input(tmp_path):
         train_with_parameter_servers(tf.distribute.get_strategy(), 10, kill_worker_after=5)
     with pytest.raises(ValueError, match="timeout_s must be a positive number of seconds"):
         train_with_parameter_servers(tf.distribute.get_strategy(), 10, timeout_s=0)
+    with pytest.raises(ValueError, match="timeout_s"):  # NaN would never time out
+        train_with_parameter_servers(tf.distribute.get_strategy(), 10, timeout_s=float("nan"))
 
 
 def test_one_device_and_mirrored_digits_training_are_the_same_computation():

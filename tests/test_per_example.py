@@ -248,10 +248,10 @@ def bf16_zoo_model(name, policy):
 def test_mixed_bfloat16_gives_float32_gradients_close_to_the_loop(name):
     """Under mixed_bfloat16 the variables are float32 and so are their gradients; the values
     agree to bfloat16 precision (8 bits of mantissa) with the loop on the same model and with
-    a float32 twin (same weights). The tolerance is relative to the model's largest gradient,
-    not each variable's: attention's key bias has a gradient of exactly 0, which bfloat16
-    rounding turns into noise of about 1e-3 in the loop as in the fast methods (and differently
-    with and without oneDNN)."""
+    a float32 twin (same weights). The tolerance is relative to each variable's largest
+    gradient, with a floor of a tenth of the model's: attention's key bias has a gradient of
+    exactly 0, which bfloat16 rounding turns into noise of about 1e-3 in the loop as in the fast
+    methods (and differently with and without oneDNN)."""
     model = bf16_zoo_model(name, keras.DTypePolicy("mixed_bfloat16"))
     x, y = fresh("attention" if name == "attention_bf16" else "mlp", 6)
     got = per_example_gradients(model, LOSS, x, y, "outer")
@@ -263,8 +263,10 @@ def test_mixed_bfloat16_gives_float32_gradients_close_to_the_loop(name):
     exact = loop(twin, x, y)  # float32 arithmetic: the reference bfloat16 approximates
     assert all(g.dtype == tf.float32 for g in got + clipped) and norms.dtype == tf.float32
     scale = max(float(np.max(np.abs(e))) for e in exact)
-    for reference in (expected, exact):
-        assert_gradients_close(got, reference, rtol=0.05, atol=0.03 * scale)
+    for g, e, f in zip(got, expected, exact):  # per variable, with a floor for zero gradients
+        atol = 0.05 * max(float(np.max(np.abs(f))), 0.1 * scale)
+        for reference in (e, f):
+            assert_gradients_close(g, reference, rtol=0.05, atol=atol)
     assert_gradients_close(clipped, [tf.reduce_mean(e, 0) for e in exact], rtol=0.05,
                            atol=0.03 * scale)
     assert_gradients_close(norms, norms_of(exact), rtol=0.05, atol=1e-3 * scale)

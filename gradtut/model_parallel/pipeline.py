@@ -93,7 +93,7 @@ def _backward(staged, clocks, j, saved, totals, offsets):
             for k, g in enumerate(grads):
                 totals[offsets[s] + k] = totals[offsets[s] + k] + g
             handed_over = clocks.record(s, j, "backward", start, _clock_after(
-                *totals[offsets[s]:offsets[s + 1]], upstream))
+                start, *totals[offsets[s]:offsets[s + 1]], upstream))
 
 
 def _stage_backward(saved, variables, upstream, start, first):
