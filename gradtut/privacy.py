@@ -21,6 +21,7 @@ Example:
   ...     from_logits=True, reduction=None))
 """
 import contextlib
+import functools
 import logging
 import math
 
@@ -80,6 +81,28 @@ def _check_sample_rate(sample_rate):
     return sample_rate
 
 
+def _poisson_gaussian(noise_multiplier, sample_rate):
+    """One DP-SGD step as dp_accounting sees it: a Gaussian mechanism on a Poisson sample."""
+    return dp_accounting.PoissonSampledDpEvent(
+        sample_rate, dp_accounting.GaussianDpEvent(noise_multiplier))
+
+
+@functools.lru_cache(maxsize=1024)
+def _rdp_of_one_step(noise_multiplier, sample_rate):
+    """``(orders, rdp)``: the Renyi DP of one step at dp_accounting's default orders (read-only
+    arrays). RDP adds up over steps: for ``steps`` steps dp_accounting's accountant computes
+    exactly ``steps * rdp`` (its ``SelfComposedDpEvent``). Computing one step takes about 0.2 s,
+    so the cache turns epsilon at many step counts (a plot) into one computation per noise
+    multiplier and sample rate."""
+    account = rdp.RdpAccountant()
+    with _without_order_warnings():
+        account.compose(_poisson_gaussian(noise_multiplier, sample_rate))
+    orders, one_step = account.orders, account.rdp
+    orders.setflags(write=False)
+    one_step.setflags(write=False)
+    return orders, one_step
+
+
 def epsilon(noise_multiplier, sample_rate, steps, delta, accountant="rdp"):
     """Epsilon of DP-SGD with Poisson sampling: ``steps`` compositions of the Gaussian
     mechanism with ``noise_multiplier``, each on a Poisson sample of rate ``sample_rate``.
@@ -109,12 +132,13 @@ def epsilon(noise_multiplier, sample_rate, steps, delta, accountant="rdp"):
         raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier!r}")
     if noise_multiplier == 0:
         return math.inf
-    event = dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(
-            sample_rate, dp_accounting.GaussianDpEvent(noise_multiplier)), steps)
-    account = rdp.RdpAccountant() if accountant == "rdp" else pld.PLDAccountant()
-    with _without_order_warnings():
-        account.compose(event)
+    if accountant == "rdp":
+        orders, one_step = _rdp_of_one_step(noise_multiplier, sample_rate)
+        eps = float(rdp.compute_epsilon(orders, steps * one_step, delta)[0])
+    else:
+        account = pld.PLDAccountant()
+        account.compose(dp_accounting.SelfComposedDpEvent(
+            _poisson_gaussian(noise_multiplier, sample_rate), steps))
         eps = float(account.get_epsilon(delta))
     if not eps > 0:  # dp_accounting returns 0 when it meets a negative Renyi divergence
         raise RuntimeError(f"dp_accounting returned epsilon {eps} for noise_multiplier "
@@ -124,8 +148,14 @@ def epsilon(noise_multiplier, sample_rate, steps, delta, accountant="rdp"):
 
 
 def noise_multiplier_for_epsilon(target_epsilon, sample_rate, steps, delta, accountant="rdp"):
-    """The smallest noise multiplier whose :func:`epsilon` is at most ``target_epsilon``, found
-    by bisection to 0.1% (the result always meets the target).
+    """The smallest noise multiplier whose :func:`epsilon` is at most ``target_epsilon``, to
+    0.1% (the result always meets the target).
+
+    The search keeps a bracket: ``low`` misses the target, ``high`` meets it. Doubling or
+    halving from 1 finds one; then regula falsi on ``log(epsilon)`` against ``log(sigma)``
+    (nearly a straight line) narrows it, with the Illinois rule so that both ends move. That
+    takes 6 to 8 evaluations of :func:`epsilon` where bisection to the same 0.1% takes 11 to
+    14, which counts with PLD (1 to 13 s each on 2 cores, the more the smaller sigma).
 
     Raises:
       ValueError: a non-positive target, an argument outside its range, or a target that no
@@ -142,23 +172,50 @@ def noise_multiplier_for_epsilon(target_epsilon, sample_rate, steps, delta, acco
     if not target_epsilon > 0:
         raise ValueError(f"target_epsilon must be positive, got {target_epsilon!r}")
 
-    def eps(sigma):
-        return epsilon(sigma, sample_rate, steps, delta, accountant)
+    def excess(sigma):  # > 0: sigma misses the target; <= 0: it meets it
+        return math.log(epsilon(sigma, sample_rate, steps, delta, accountant) / target_epsilon)
 
-    high = 1.0
-    while eps(high) > target_epsilon:
-        if high >= _MAX_NOISE:
-            raise ValueError(
-                f"epsilon {target_epsilon} is out of reach: even noise_multiplier "
-                f"{_MAX_NOISE:g} gives epsilon {eps(_MAX_NOISE):.4g} with these settings. Use "
-                "fewer steps, a smaller sample_rate or a larger delta, or accept a larger "
-                "epsilon.")
-        high = min(2 * high, _MAX_NOISE)
-    low = 0.0
+    (low, e_low), (high, e_high) = _bracket(excess)
+    if e_high > 0:  # even the largest noise multiplier misses
+        best = epsilon(_MAX_NOISE, sample_rate, steps, delta, accountant)
+        raise ValueError(
+            f"epsilon {target_epsilon} is out of reach: even noise_multiplier {_MAX_NOISE:g} "
+            f"gives epsilon {best:.4g} with these settings. Use fewer steps, a smaller "
+            "sample_rate or a larger delta, or accept a larger epsilon.")
+    if low == 0.0:
+        return high
+    moved = None
     while high - low > 1e-3 * high:
-        mid = (low + high) / 2
-        low, high = (low, mid) if eps(mid) <= target_epsilon else (mid, high)
+        mid = math.exp((math.log(low) * e_high - math.log(high) * e_low) / (e_high - e_low))
+        if not low < mid < high:  # rounding, in a bracket this narrow
+            mid = (low + high) / 2
+        e_mid = excess(mid)
+        if e_mid <= 0:  # Illinois: an end that stays put twice in a row counts half
+            high, e_high, e_low = mid, e_mid, e_low / 2 if moved == "high" else e_low
+            moved = "high"
+        else:
+            low, e_low, e_high = mid, e_mid, e_high / 2 if moved == "low" else e_high
+            moved = "low"
     return high
+
+
+def _bracket(excess):
+    """``((low, excess(low)), (high, excess(high)))`` with ``low`` missing the target
+    (``excess > 0``) and ``high`` (at most ``2 * low``) meeting it, by doubling or halving
+    from 1. Stops
+    at :data:`_MAX_NOISE` (then ``high`` misses too: the caller reports it) and at 1e-9 (that
+    small a noise multiplier meets the target: ``low`` is then 0 with excess ``inf``)."""
+    sigma, value = 1.0, excess(1.0)
+    while True:
+        if value > 0 and sigma >= _MAX_NOISE:
+            return (sigma, value), (sigma, value)
+        if value <= 0 and sigma < 1e-9:
+            return (0.0, math.inf), (sigma, value)
+        other = min(2 * sigma, _MAX_NOISE) if value > 0 else sigma / 2
+        other_value = excess(other)
+        if (other_value > 0) != (value > 0):
+            return sorted([(sigma, value), (other, other_value)])
+        sigma, value = other, other_value
 
 
 # ------------------------------------------------------------------------------- sampling

@@ -34,6 +34,19 @@ def test_epsilon_is_dp_accountings(accountant, sigma, q, steps):
     assert got == pytest.approx(account.get_epsilon(1e-5), rel=1e-9)
 
 
+def test_epsilon_at_many_step_counts_is_dp_accountings():
+    # epsilon caches one step's RDP and scales it by the step count: every count must still
+    # equal a fresh accountant's, computed afterwards
+    sigma, q = 0.9, 0.02
+    counts = [1, 7, 100, 2500, 7]
+    got = [epsilon(sigma, q, n, 1e-5) for n in counts]
+    for n, value in zip(counts, got):
+        account = rdp.RdpAccountant()
+        account.compose(event(sigma, q, n))
+        assert value == pytest.approx(account.get_epsilon(1e-5), rel=1e-12)
+    assert got[1] < got[2] < got[3]
+
+
 def test_epsilon_agrees_with_the_published_mnist_figure():
     # TensorFlow Privacy's MNIST tutorial (tutorials/README.md) and Opacus's MNIST example quote
     # epsilon ~3.0 for these settings, from RDP with the classic conversion
@@ -42,7 +55,7 @@ def test_epsilon_agrees_with_the_published_mnist_figure():
     account = rdp.RdpAccountant(orders)
     account.compose(event(MNIST["noise_multiplier"], MNIST["sample_rate"], MNIST["steps"]))
     classic = min(r + np.log(1 / MNIST["delta"]) / (a - 1)
-                  for a, r in zip(orders, account._rdp))  # pylint: disable=protected-access
+                  for a, r in zip(orders, account.rdp))
     assert 2.9 <= classic <= 3.05
     # dp_accounting's tighter RDP conversion and PLD give less for the same training
     tighter = epsilon(**MNIST)
@@ -63,6 +76,16 @@ def test_noise_multiplier_for_epsilon_inverts_epsilon_within_one_percent(account
     sigma = noise_multiplier_for_epsilon(target, q, steps, 1e-5, accountant)
     assert epsilon(sigma, q, steps, 1e-5, accountant) <= target
     assert epsilon(0.99 * sigma, q, steps, 1e-5, accountant) > target
+
+
+@pytest.mark.parametrize("target,q,steps", [(50.0, 0.01, 10),  # below 1: found by halving
+                                            (3.0, 256 / 60000, 14062),  # MNIST's setting
+                                            (0.5, 0.01, 100),  # above 1: found by doubling
+                                            (2.0, 1.0, 1)])  # every example in every step
+def test_noise_multiplier_for_epsilon_is_the_smallest_to_a_tenth_of_a_percent(target, q, steps):
+    sigma = noise_multiplier_for_epsilon(target, q, steps, 1e-5)
+    assert epsilon(sigma, q, steps, 1e-5) <= target
+    assert epsilon(0.999 * sigma, q, steps, 1e-5) > target
 
 
 @pytest.mark.parametrize("call,match", [
