@@ -153,14 +153,16 @@ def noise_multiplier_for_epsilon(target_epsilon, sample_rate, steps, delta, acco
 
     The search keeps a bracket: ``low`` misses the target, ``high`` meets it. Doubling or
     halving from 1 finds one; then regula falsi on ``log(epsilon)`` against ``log(sigma)``
-    (nearly a straight line) narrows it, with the Illinois rule so that both ends move. That
-    takes 6 to 8 evaluations of :func:`epsilon` where bisection to the same 0.1% takes 11 to
-    14, which counts with PLD (1 to 13 s each on 2 cores, the more the smaller sigma).
+    (nearly a straight line) narrows it, with the Illinois rule so that both ends move. For a
+    sigma within about 8x of 1 that takes 5 to 8 evaluations of :func:`epsilon`, plus one per
+    further doubling or halving, where bisection to the same 0.1% took 11 to 14. That counts
+    with PLD: 0.5 to 13 s per evaluation on 2 cores, the more the smaller sigma.
 
     Raises:
-      ValueError: a non-positive target, an argument outside its range, or a target that no
+      ValueError: a non-positive target, an argument outside its range, a target that no
         noise multiplier up to 1000 reaches (the message gives the best reachable epsilon;
-        with RDP, small targets are limited by delta and the largest Renyi order).
+        with RDP, small targets are limited by delta and the largest Renyi order), or a target
+        so large that even a noise multiplier of 1e-9 meets it (it does not bound the noise).
 
     Example:
       >>> sigma = noise_multiplier_for_epsilon(3.0, sample_rate=0.01, steps=100, delta=1e-5)
@@ -177,13 +179,15 @@ def noise_multiplier_for_epsilon(target_epsilon, sample_rate, steps, delta, acco
 
     (low, e_low), (high, e_high) = _bracket(excess)
     if e_high > 0:  # even the largest noise multiplier misses
-        best = epsilon(_MAX_NOISE, sample_rate, steps, delta, accountant)
         raise ValueError(
             f"epsilon {target_epsilon} is out of reach: even noise_multiplier {_MAX_NOISE:g} "
-            f"gives epsilon {best:.4g} with these settings. Use fewer steps, a smaller "
-            "sample_rate or a larger delta, or accept a larger epsilon.")
+            f"gives epsilon {target_epsilon * math.exp(e_high):.4g} with these settings. Use "
+            "fewer steps, a smaller sample_rate or a larger delta, or accept a larger epsilon.")
     if low == 0.0:
-        return high
+        raise ValueError(
+            f"epsilon {target_epsilon} does not bound the noise: even noise_multiplier {high:.2g} "
+            f"gives epsilon {target_epsilon * math.exp(e_high):.4g}, within the target. Ask for "
+            "a smaller epsilon (DP-SGD is usually run at epsilon 1 to 10).")
     moved = None
     while high - low > 1e-3 * high:
         mid = math.exp((math.log(low) * e_high - math.log(high) * e_low) / (e_high - e_low))
@@ -202,9 +206,8 @@ def noise_multiplier_for_epsilon(target_epsilon, sample_rate, steps, delta, acco
 def _bracket(excess):
     """``((low, excess(low)), (high, excess(high)))`` with ``low`` missing the target
     (``excess > 0``) and ``high`` (at most ``2 * low``) meeting it, by doubling or halving
-    from 1. Stops
-    at :data:`_MAX_NOISE` (then ``high`` misses too: the caller reports it) and at 1e-9 (that
-    small a noise multiplier meets the target: ``low`` is then 0 with excess ``inf``)."""
+    from 1. Stops at :data:`_MAX_NOISE` (then ``high`` misses too) and below 1e-9 (then
+    ``low`` is 0 with excess ``inf``): the caller reports both."""
     sigma, value = 1.0, excess(1.0)
     while True:
         if value > 0 and sigma >= _MAX_NOISE:
