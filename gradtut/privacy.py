@@ -177,17 +177,7 @@ def noise_multiplier_for_epsilon(target_epsilon, sample_rate, steps, delta, acco
     def excess(sigma):  # > 0: sigma misses the target; <= 0: it meets it
         return math.log(epsilon(sigma, sample_rate, steps, delta, accountant) / target_epsilon)
 
-    (low, e_low), (high, e_high) = _bracket(excess)
-    if e_high > 0:  # even the largest noise multiplier misses
-        raise ValueError(
-            f"epsilon {target_epsilon} is out of reach: even noise_multiplier {_MAX_NOISE:g} "
-            f"gives epsilon {target_epsilon * math.exp(e_high):.4g} with these settings. Use "
-            "fewer steps, a smaller sample_rate or a larger delta, or accept a larger epsilon.")
-    if low == 0.0:
-        raise ValueError(
-            f"epsilon {target_epsilon} does not bound the noise: even noise_multiplier {high:.2g} "
-            f"gives epsilon {target_epsilon * math.exp(e_high):.4g}, within the target. Ask for "
-            "a smaller epsilon (DP-SGD is usually run at epsilon 1 to 10).")
+    (low, e_low), (high, e_high) = _bracket(excess, target_epsilon)
     moved = None
     while high - low > 1e-3 * high:
         mid = math.exp((math.log(low) * e_high - math.log(high) * e_low) / (e_high - e_low))
@@ -203,17 +193,26 @@ def noise_multiplier_for_epsilon(target_epsilon, sample_rate, steps, delta, acco
     return high
 
 
-def _bracket(excess):
+def _bracket(excess, target_epsilon):
     """``((low, excess(low)), (high, excess(high)))`` with ``low`` missing the target
     (``excess > 0``) and ``high`` (at most ``2 * low``) meeting it, by doubling or halving
-    from 1. Stops at :data:`_MAX_NOISE` (then ``high`` misses too) and below 1e-9 (then
-    ``low`` is 0 with excess ``inf``): the caller reports both."""
+    from 1.
+
+    Raises:
+      ValueError: even :data:`_MAX_NOISE` misses the target, or even 1e-9 meets it.
+    """
     sigma, value = 1.0, excess(1.0)
     while True:
         if value > 0 and sigma >= _MAX_NOISE:
-            return (sigma, value), (sigma, value)
+            raise ValueError(
+                f"epsilon {target_epsilon} is out of reach: even noise_multiplier {sigma:g} "
+                f"gives epsilon {target_epsilon * math.exp(value):.4g} with these settings. Use "
+                "fewer steps, a smaller sample_rate or a larger delta, or accept a larger epsilon.")
         if value <= 0 and sigma < 1e-9:
-            return (0.0, math.inf), (sigma, value)
+            raise ValueError(
+                f"epsilon {target_epsilon} does not bound the noise: even noise_multiplier "
+                f"{sigma:.2g} gives epsilon {target_epsilon * math.exp(value):.4g}, within the "
+                "target. Ask for a smaller epsilon (DP-SGD is usually run at epsilon 1 to 10).")
         other = min(2 * sigma, _MAX_NOISE) if value > 0 else sigma / 2
         other_value = excess(other)
         if (other_value > 0) != (value > 0):
