@@ -528,19 +528,30 @@ def _norms_from_grads(model, grads):
 
 
 def _ghost_sq_norms_fn(model, loss_fn, training):
-    """A function returning (recorded layers, fallback variables, their per-example grads,
-    ``[B]`` squared norms, ``[B]`` losses), for use inside a tf.function."""
+    """A function returning (recorded layers, materialised per-example gradients, ``[B]``
+    squared norms, ``[B]`` losses), for use inside a tf.function. The materialised gradients
+    (``{id(variable): [B, *shape]}``) are those of covered layers without a cheaper ghost form
+    and of the fallback variables: a clipped sum reuses them."""
 
     def ghost(x, y):
         layers, losses = _one_pass(model, loss_fn, x, y, training)
         dtype = _norm_dtype(model)
         trainable = {id(v) for v in model.trainable_variables}
-        parts = [tf.cast(layer_rules.sq_norms_of(layer, rule, pairs, trainable), dtype)
-                 for layer, rule, pairs in layers]
+        parts, materialised = [], {}
+        for layer, rule, pairs in layers:
+            sq = layer_rules.ghost_sq_norms_of(layer, rule, pairs, trainable)
+            if sq is None:
+                grads = {k: t for k, t in layer_rules.per_example_of(layer, rule, pairs).items()
+                         if k in trainable}
+                materialised.update(grads)
+                sq = tf.add_n([layer_rules.squared_norms(t) for t in grads.values()])
+            parts.append(tf.cast(sq, dtype))
         rest = _fallback_variables(model, layers)
-        rest_grads = _vectorized_fn(model, loss_fn, training, rest)(x, y) if rest else []
-        parts += [tf.cast(layer_rules.squared_norms(t), dtype) for t in rest_grads]
-        return layers, rest, rest_grads, tf.add_n(parts), losses
+        if rest:
+            rest_grads = _vectorized_fn(model, loss_fn, training, rest)(x, y)
+            materialised.update(zip(map(id, rest), rest_grads))
+            parts += [tf.cast(layer_rules.squared_norms(t), dtype) for t in rest_grads]
+        return layers, materialised, tf.add_n(parts), losses
 
     return ghost
 
@@ -577,7 +588,7 @@ def per_example_gradient_norms(model, loss_fn, x, y, method="ghost", *, training
 
     def build():
         ghost = _ghost_sq_norms_fn(model, loss_fn, training)
-        return _checked_function(lambda x, y: tf.sqrt(ghost(x, y)[3]), reduce_retracing=True)
+        return _checked_function(lambda x, y: tf.sqrt(ghost(x, y)[2]), reduce_retracing=True)
 
     return _cached(model, ("ghost", loss_fn, training), build)(x, y)
 
@@ -617,15 +628,16 @@ def make_clipped_sum(model, loss_fn, training=False, with_outputs=False):
 
     def clipped_sum(x, y, clip):
         outputs.clear()
-        layers, rest, rest_grads, sq, losses = ghost(x, y)
+        layers, materialised, sq, losses = ghost(x, y)
         norms = tf.sqrt(sq)
         weights = tf.minimum(tf.ones_like(norms),
                              tf.cast(clip, norms.dtype) / tf.maximum(norms, 1e-12))
         found = {}
         for layer, rule, pairs in layers:
-            found.update(layer_rules.weighted_sum_of(layer, rule, pairs, weights))
-        for v, t in zip(rest, rest_grads):
-            found[id(v)] = tf.tensordot(tf.cast(weights, t.dtype), t, axes=1)
+            if not any(id(v) in materialised for v in rule.variables(layer)):
+                found.update(layer_rules.weighted_sum_of(layer, rule, pairs, weights))
+        for key, t in materialised.items():  # sum_b w_b g_b from gradients already at hand
+            found[key] = tf.tensordot(tf.cast(weights, t.dtype), t, axes=1)
         grads = [tf.cast(found[id(v)], v.dtype) for v in model.trainable_variables]
         return (grads, losses, outputs["predictions"]) if with_outputs else grads
 

@@ -14,9 +14,9 @@ from gradtut import layer_rules
 from gradtut.checks import assert_gradients_close
 from gradtut.layer_rules import (DenseRule, EinsumDenseRule, EmbeddingRule, GroupNormalizationRule,
                                  LayerNormalizationRule, LayerRule, RMSNormalizationRule,
-                                 covered_layers, explain, one_pass, per_example_of, recording,
-                                 register_rule, registry_version, rule_for, sq_norms_of,
-                                 squared_norms, unregister_rule, weighted_sum_of)
+                                 covered_layers, explain, ghost_sq_norms_of, one_pass,
+                                 per_example_of, recording, register_rule, registry_version,
+                                 rule_for, squared_norms, unregister_rule, weighted_sum_of)
 from gradtut.per_example import (clipped_gradient, onednn_enabled, per_example_gradient_norms,
                                  per_example_gradients, per_example_plan)
 from model_zoo import LOSS
@@ -228,6 +228,44 @@ def test_both_patch_paths_match_explicit_patch_extraction(channels, k, stride, d
     np.testing.assert_allclose(got, _numpy_patches(x, k, stride, dilation, padding), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("make,shape,patches", [
+    (lambda: keras.layers.Conv2D(5, 3, padding="same", activation="relu"), (8, 8, 1), True),
+    (lambda: keras.layers.Conv2D(4, 3, strides=2, dilation_rate=1), (7, 6, 3), True),
+    (lambda: keras.layers.Conv2D(4, 3, padding="same"), (6, 6, 8), False),  # 72 values > 64
+    (lambda: keras.layers.Conv1D(3, 3, padding="causal", dilation_rate=2), (10, 3), True),
+    (lambda: keras.layers.Conv3D(2, 2, strides=2), (4, 4, 4, 2), True)])
+def test_a_recorded_convolution_gives_the_layers_own_output(make, shape, patches):
+    """Small patches (at most 64 values) make the recorded forward patches @ kernel instead of
+    the layer's convolution (and record the patches, padding None): both forms must give the
+    layer's own output, computed afterwards."""
+    layer = make()
+    x = tf.constant(np.random.default_rng().normal(size=(3, *shape)).astype("float32"))
+    layer(x)
+    calls = []
+    with recording([(layer, rule_for(layer))], calls):
+        got = layer(x)
+    assert (calls[0][2][1] is None) == patches
+    np.testing.assert_allclose(got.numpy(), layer(x).numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_ghost_sq_norms_of_is_the_materialised_norm_where_cheaper_and_none_elsewhere():
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(4, 3, padding="same"),
+                              keras.layers.Conv2D(8, 3, strides=4), keras.layers.Flatten(),
+                              keras.layers.Dense(3)])
+    x = tf.constant(np.random.default_rng().normal(size=(5, 8, 8, 1)).astype("float32"))
+    y = tf.constant(np.random.default_rng().integers(0, 3, 5))
+    layers, _ = one_pass(model, lambda: LOSS(y, model(x)))
+    trainable = {id(v) for v in model.trainable_variables}
+    ghost = [ghost_sq_norms_of(*entry, trainable) for entry in layers]
+    assert ghost[0] is None  # 64 positions: materialising 9 x 4 values is cheaper than the Gram
+    for entry, sq in zip(layers[1:], ghost[1:]):
+        want = tf.add_n([squared_norms(t) for t in per_example_of(*entry).values()])
+        np.testing.assert_allclose(sq.numpy(), want.numpy(), rtol=1e-4)
+    frozen = {id(model.layers[1].kernel)}  # the bias frozen: materialise instead
+    assert ghost_sq_norms_of(*layers[1], frozen) is None
+
+
 def test_conv_patches_refuses_mismatched_ranks():
     x = tf.zeros([2, 7, 6, 3])
     with pytest.raises(ValueError, match=r"needs x of rank 3 .* for a 1-D kernel"):
@@ -331,9 +369,9 @@ def test_per_layer_functions_refuse_what_one_pass_would_not_return():
     trainable = {id(v) for v in layer.trainable_variables}
     with pytest.raises(ValueError, match=r"per_example_of needs a non-empty list of \(a, g\) pairs"):
         per_example_of(layer, rule, [])
-    with pytest.raises(TypeError, match=r"sq_norms_of needs the layer's LayerRule \(rule_for\(layer\)"
-                                        r"\), got str"):
-        sq_norms_of(layer, "dense", pairs, trainable)
+    with pytest.raises(TypeError, match=r"ghost_sq_norms_of needs the layer's LayerRule "
+                                        r"\(rule_for\(layer\)\), got str"):
+        ghost_sq_norms_of(layer, "dense", pairs, trainable)
     with pytest.raises(TypeError, match="weighted_sum_of needs a Keras layer, got str"):
         weighted_sum_of("dense", rule, pairs, tf.ones([4]))
     with pytest.raises(ValueError, match=r"weights must be a \[B\] vector, one weight per example; "
