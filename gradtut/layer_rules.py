@@ -430,6 +430,11 @@ class EmbeddingRule(LayerRule):
                                              tf.reshape(a, [-1]), layer.input_dim)]
 
 
+# Patches of at most this many values come from a one-hot convolution (see conv_patches), and
+# a convolution layer with such patches records them from its forward pass.
+ONE_HOT_PATCH_LIMIT = 64
+
+
 def conv_patches(x, kernel_size, strides, padding, dilation_rate):
     """Image patches of a channels-last ``x [B, *spatial, C]`` for any spatial rank:
     ``[B, *out_spatial, K * C]`` with K = prod(kernel_size), ordered (kernel position,
@@ -463,7 +468,7 @@ def conv_patches(x, kernel_size, strides, padding, dilation_rate):
                         (1, *dilation_rate))[:, 0]
     channels = x.shape[-1]
     k = _prod(kernel_size)
-    if len(kernel_size) == 2 and k * channels > 64:
+    if len(kernel_size) == 2 and k * channels > ONE_HOT_PATCH_LIMIT:
         return tf.image.extract_patches(x, sizes=[1, *kernel_size, 1], strides=[1, *strides, 1],
                                         rates=[1, *dilation_rate, 1], padding=padding.upper())
     eye = tf.reshape(tf.eye(k * channels, dtype=x.dtype), [*kernel_size, channels, k * channels])
@@ -473,7 +478,9 @@ def conv_patches(x, kernel_size, strides, padding, dilation_rate):
 
 class _ConvRule(LayerRule):
     """Conv1D/2D/3D: ``z = conv(a, kernel) + bias``, with strides, dilation, padding (causal
-    too) and groups. Per-example kernel gradients are patches^T @ g, per group."""
+    too) and groups. Per-example kernel gradients are patches^T @ g, per group. The recorded
+    ``a`` is ``(inputs, padding)``, or ``(patches, None)`` where the forward pass computed
+    ``z`` as patches @ kernel (small patches, see ``_small_patches``)."""
 
     def unsupported(self, layer):
         return super().unsupported(layer)
@@ -490,9 +497,9 @@ class _ConvRule(LayerRule):
         if self._small_patches(layer, inputs):
             # Every per-example rule needs these patches. Built by one small convolution, they
             # cost about what the layer's own convolution does, and patches @ kernel is then
-            # that convolution for little more (on this CPU: 8x8x1 images, 3x3 kernel, 16
-            # filters, batch 256: 1.9 ms per convolution, 0.2 ms for the matmul). Record the
-            # patches (padding None) instead of the inputs.
+            # that convolution for little more (on a 2-core AVX2-only AMD EPYC: 8x8x1 images,
+            # 3x3 kernel, 16 filters, batch 256: 1.9 ms per convolution, 0.2 ms for the
+            # matmul). Record the patches (padding None) instead of the inputs.
             p = conv_patches(inputs, layer.kernel_size, layer.strides, padding,
                              layer.dilation_rate)
             z = tf.tensordot(p, tf.reshape(kernel, [-1, layer.filters]), axes=1)
@@ -508,11 +515,11 @@ class _ConvRule(LayerRule):
 
     @staticmethod
     def _small_patches(layer, inputs):
-        """Patches narrow enough (at most 64 values) to come from a one-hot convolution, for a
-        channels-last layer without groups."""
+        """Patches narrow enough (``ONE_HOT_PATCH_LIMIT`` values) to come from a one-hot
+        convolution, for a channels-last layer without groups."""
         return (layer.groups == 1 and layer.data_format == "channels_last"
                 and inputs.shape[-1] is not None
-                and _prod(layer.kernel_size) * inputs.shape[-1] <= 64)
+                and _prod(layer.kernel_size) * inputs.shape[-1] <= ONE_HOT_PATCH_LIMIT)
 
     def _patches_and_grads(self, layer, a, g):
         x, padding = a

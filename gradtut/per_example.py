@@ -597,7 +597,10 @@ def make_clipped_sum(model, loss_fn, training=False, with_outputs=False):
     """``f(x, y, clip) -> sum_b g_b * min(1, clip / ||g_b||)``: the sum of per-example gradients
     clipped to norm ``clip``, one tensor per trainable variable (in its dtype), for use inside a
     ``tf.function``. Built from ghost norms and one reweighted sum per layer, so layers with a
-    ghost rule never materialise per-example gradients.
+    ghost rule never materialise per-example gradients. The others (and fallback variables)
+    materialise theirs once, for their norms, and the weighted sum reuses them: they are held
+    together until every norm is known, ``B x`` their parameter count in all
+    (:func:`per_example_plan` shows which layers these are).
 
     With ``with_outputs=True``, ``f`` returns ``(gradients, losses, predictions)``: the
     ``[B]`` per-example losses and the model's outputs from the same forward pass (a training
@@ -805,7 +808,10 @@ def per_example_plan(model):
     ``"vectorized fallback (why)"`` where no rule applies, or ``"no trainable variables"`` (a
     frozen layer). ``norm`` is ``"ghost"``, ``"materialised"`` (per layer, by its rule),
     ``"materialised (vectorized_map)"`` or ``"-"``. For convolutions and Dense on sequences the
-    choice follows the layer's built input shape (ghost when 2 T^2 <= d p).
+    choice follows the layer's built input shape (ghost when 2 T^2 <= d p). A layer with a
+    frozen variable (``variable.trainable = False``) is materialised. So is a layer called
+    several times whose rule cannot merge the calls (a convolution), which the plan cannot
+    see: it follows the built shape there.
 
     Raises:
       TypeError: ``model`` is not a Keras model.
@@ -838,6 +844,7 @@ def per_example_plan(model):
                          "materialised (vectorized_map)"))
             continue
         shape = next(iter((getattr(layer, "_build_shapes_dict", None) or {}).values()), None)
-        ghost = shape is not None and rule.ghost(layer, tuple(shape))
+        ghost = (shape is not None and rule.ghost(layer, tuple(shape))
+                 and all(v.trainable for v in rule.variables(layer)))
         rows.append((layer.name, cls, rule.name, "ghost" if ghost else "materialised"))
     return rows

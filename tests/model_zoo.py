@@ -54,8 +54,9 @@ def depthwise():
 
 
 def conv1d():
-    """Conv1D: causal with dilation, then strided valid; RMS normalisation between."""
-    layers = [keras.Input((10, 3)), L.Conv1D(4, 3, padding="causal", dilation_rate=2)]
+    """Conv1D: causal with dilation on 24 channels (72 values per patch: the layer's own
+    convolution), then strided valid on 4 (patches); RMS normalisation between."""
+    layers = [keras.Input((10, 24)), L.Conv1D(4, 3, padding="causal", dilation_rate=2)]
     if hasattr(L, "RMSNormalization"):
         layers.append(L.RMSNormalization())
     layers += [L.Conv1D(3, 2, strides=2, activation="tanh"), L.GlobalAveragePooling1D(),
@@ -67,6 +68,21 @@ def conv3d():
     return keras.Sequential([keras.Input((4, 4, 4, 2)), L.Conv3D(3, 2, padding="same"),
                              L.Conv3D(2, 2, strides=2), L.Flatten(), L.Dense(CLASSES)],
                             name="conv3d")
+
+
+def wide_conv():
+    """Convolutions whose patches exceed 64 values, so the forward pass runs the layer's own
+    convolution: one materialised (36 positions), one called twice, one strided with a
+    cheaper ghost form (4 positions); and a Dense head whose bias is frozen, so that layer is
+    materialised without it."""
+    inputs = keras.Input((6, 6, 8))
+    h = L.Conv2D(8, 3, padding="same", activation="relu")(inputs)
+    shared = L.Conv2D(8, 3, padding="same", activation="tanh")
+    h = L.Conv2D(6, 3, strides=2)(shared(shared(h)))
+    head = L.Dense(CLASSES)
+    outputs = head(L.Flatten()(h))
+    head.bias.trainable = False
+    return keras.Model(inputs, outputs, name="wide_conv")
 
 
 def layer_norm():
@@ -200,11 +216,12 @@ def einsum_variants():
 
 
 MODELS = {f.__name__: f for f in (
-    mlp, two_inputs, cnn, grouped_conv, depthwise, conv1d, conv3d, layer_norm, group_norm,
+    mlp, two_inputs, cnn, grouped_conv, depthwise, conv1d, conv3d, wide_conv, layer_norm,
+    group_norm,
     text, masked_text, attention, transformer, shared_dense, discarded_call, frozen,
     subclassed, no_rule, norm_variants, einsum_variants)}
 INPUT_SHAPES = {"mlp": (12,), "cnn": (8, 8, 1), "grouped_conv": (8, 8, 4),
-                "depthwise": (8, 8, 3), "conv1d": (10, 3), "conv3d": (4, 4, 4, 2),
+                "depthwise": (8, 8, 3), "conv1d": (10, 24), "conv3d": (4, 4, 4, 2), "wide_conv": (6, 6, 8),
                 "layer_norm": (12,), "group_norm": (6, 6, 2), "text": (6,), "masked_text": (6,),
                 "attention": (4, 8), "transformer": (4, 8), "shared_dense": (12,),
                 "discarded_call": (6,), "frozen": (12,), "subclassed": (12,), "no_rule": (12,),

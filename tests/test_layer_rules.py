@@ -233,13 +233,15 @@ def test_both_patch_paths_match_explicit_patch_extraction(channels, k, stride, d
     (lambda: keras.layers.Conv2D(4, 3, strides=2, dilation_rate=1), (7, 6, 3), True),
     (lambda: keras.layers.Conv2D(4, 3, padding="same"), (6, 6, 8), False),  # 72 values > 64
     (lambda: keras.layers.Conv1D(3, 3, padding="causal", dilation_rate=2), (10, 3), True),
-    (lambda: keras.layers.Conv3D(2, 2, strides=2), (4, 4, 4, 2), True)])
+    (lambda: keras.layers.Conv3D(2, 2, strides=2), (4, 4, 4, 2), True),
+    (lambda: keras.layers.Conv2D(4, 3, groups=2, padding="same"), (6, 6, 4), False)])  # groups
 def test_a_recorded_convolution_gives_the_layers_own_output(make, shape, patches):
     """Small patches (at most 64 values) make the recorded forward patches @ kernel instead of
     the layer's convolution (and record the patches, padding None): both forms must give the
     layer's own output, computed afterwards."""
     layer = make()
-    x = tf.constant(np.random.default_rng().normal(size=(3, *shape)).astype("float32"))
+    x = tf.constant(np.random.default_rng(20 + len(shape)).normal(size=(3, *shape))
+                    .astype("float32"))
     layer(x)
     calls = []
     with recording([(layer, rule_for(layer))], calls):
@@ -253,8 +255,9 @@ def test_ghost_sq_norms_of_is_the_materialised_norm_where_cheaper_and_none_elsew
     model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(4, 3, padding="same"),
                               keras.layers.Conv2D(8, 3, strides=4), keras.layers.Flatten(),
                               keras.layers.Dense(3)])
-    x = tf.constant(np.random.default_rng().normal(size=(5, 8, 8, 1)).astype("float32"))
-    y = tf.constant(np.random.default_rng().integers(0, 3, 5))
+    rng = np.random.default_rng(12)
+    x = tf.constant(rng.normal(size=(5, 8, 8, 1)).astype("float32"))
+    y = tf.constant(rng.integers(0, 3, 5))
     layers, _ = one_pass(model, lambda: LOSS(y, model(x)))
     trainable = {id(v) for v in model.trainable_variables}
     ghost = [ghost_sq_norms_of(*entry, trainable) for entry in layers]
@@ -262,8 +265,8 @@ def test_ghost_sq_norms_of_is_the_materialised_norm_where_cheaper_and_none_elsew
     for entry, sq in zip(layers[1:], ghost[1:]):
         want = tf.add_n([squared_norms(t) for t in per_example_of(*entry).values()])
         np.testing.assert_allclose(sq.numpy(), want.numpy(), rtol=1e-4)
-    frozen = {id(model.layers[1].kernel)}  # the bias frozen: materialise instead
-    assert ghost_sq_norms_of(*layers[1], frozen) is None
+    kernel_only = {id(model.layers[1].kernel)}  # as if its bias were frozen: materialise
+    assert ghost_sq_norms_of(*layers[1], kernel_only) is None
 
 
 def test_conv_patches_refuses_mismatched_ranks():

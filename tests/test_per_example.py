@@ -128,6 +128,8 @@ def test_plan_shows_rules_fallbacks_and_ghost_choices(models):
     plan = ghost_norm_plan(models["no_rule"])
     assert sorted(plan.values()) == ["dense", "dense", "vectorized"]
     assert set(ghost_norm_plan(models["cnn"]).values()) == {"conv2d", "dense"}
+    wide = {row[0]: row[3] for row in per_example_plan(models["wide_conv"])}
+    assert list(wide.values()) == ["materialised", "materialised", "ghost", "materialised"]
     assert set(ghost_norm_plan(models["text"]).values()) == {"embedding", "dense"}
     assert "vectorized" not in ghost_norm_plan(models["transformer"]).values()
     assert set(ghost_norm_plan(models["attention"]).values()) == {"einsum_dense", "dense"}
@@ -240,11 +242,18 @@ def bf16_zoo_model(name, policy):
     body = {"mlp_bf16": [keras.Input((12,)), L.Dense(8, activation="tanh", dtype=policy),
                          L.LayerNormalization(dtype=policy)],
             "no_rule_bf16": [keras.Input((12,)), L.Dense(8, dtype=policy),
-                             L.PReLU(dtype=policy)]}[name]
+                             L.PReLU(dtype=policy)],
+            # 1 channel: patches from the forward pass; 8 channels: the layer's convolution.
+            # tanh, not relu: bfloat16 rounding moves activations across relu's kink, which
+            # moves the float32 twin's gradients far more than bfloat16 precision (the
+            # bfloat16 loop still agrees with the fast methods there)
+            "cnn_bf16": [keras.Input((8, 8, 1)),
+                         L.Conv2D(8, 3, padding="same", activation="tanh", dtype=policy),
+                         L.Conv2D(4, 3, strides=2, dtype=policy), L.Flatten()]}[name]
     return keras.Sequential(body + [L.Dense(3, dtype="float32")])
 
 
-@pytest.mark.parametrize("name", ["mlp_bf16", "no_rule_bf16", "attention_bf16"])
+@pytest.mark.parametrize("name", ["mlp_bf16", "no_rule_bf16", "attention_bf16", "cnn_bf16"])
 def test_mixed_bfloat16_gives_float32_gradients_close_to_the_loop(name):
     """Under mixed_bfloat16 the variables are float32 and so are their gradients; the values
     agree to bfloat16 precision (8 bits of mantissa) with the loop on the same model and with
@@ -253,7 +262,7 @@ def test_mixed_bfloat16_gives_float32_gradients_close_to_the_loop(name):
     exactly 0, which bfloat16 rounding turns into noise of about 1e-3 in the loop as in the fast
     methods (and differently with and without oneDNN)."""
     model = bf16_zoo_model(name, keras.DTypePolicy("mixed_bfloat16"))
-    x, y = fresh("attention" if name == "attention_bf16" else "mlp", 6)
+    x, y = fresh({"attention_bf16": "attention", "cnn_bf16": "cnn"}.get(name, "mlp"), 6)
     got = per_example_gradients(model, LOSS, x, y, "outer")
     norms = per_example_gradient_norms(model, LOSS, x, y)
     clipped = clipped_gradient(model, LOSS, x, y, l2_norm_clip=1e6)
