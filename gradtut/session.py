@@ -135,7 +135,7 @@ def setup(seed=0, virtual_cpus=None, bfc_allocator=True, deterministic=True,
         builds with oneDNN on (TensorFlow's default on CPUs with AVX-512 VNNI, AVX-VNNI or AMX)
         already use oneDNN's pooling allocator; where oneDNN is off (``TF_ENABLE_ONEDNN_OPTS=0``,
         AVX2-only CPUs, builds without it) notebook 05, section 9, measures materialised
-        per-example gradients 2-4x faster with it. Where it did not help it cost at most 7% in
+        per-example gradients 2-4x faster with it. Where it did not help it cost at most 8% in
         those runs, so it is on by default.
       deterministic: call ``tf.config.experimental.enable_op_determinism()``.
       intra_op_threads: None for TensorFlow's default (every core works on each op), or N >= 1
