@@ -498,7 +498,7 @@ class _ConvRule(LayerRule):
             # Every per-example rule needs these patches. Built by one small convolution, they
             # cost about what the layer's own convolution does, and patches @ kernel is then
             # that convolution for little more (on a 2-core AVX2-only AMD EPYC: 8x8x1 images,
-            # 3x3 kernel, 16 filters, batch 256: 1.9 ms per convolution, 0.2 ms for the
+            # 3x3 kernel, 16 filters, batch 256: 1.6-1.9 ms per convolution, 0.6 ms for the
             # matmul). Record the patches (padding None) instead of the inputs.
             p = conv_patches(inputs, layer.kernel_size, layer.strides, padding,
                              layer.dilation_rate)
