@@ -32,6 +32,7 @@ Valid only because examples do not interact in the forward pass (no BatchNormali
 training mode), and because a covered layer's variables are used only inside its own calls.
 """
 import contextlib
+import math
 
 import keras
 import tensorflow as tf
@@ -249,13 +250,6 @@ def _rows(t, width):
     return tf.reshape(t, [tf.shape(t)[0], steps, width])
 
 
-def _prod(sizes):
-    total = 1
-    for s in sizes:
-        total *= s
-    return total
-
-
 def _gram_sq_norm(a, g):
     """``||sum_t a_t g_t^T||^2 = sum_ts (a_t . a_s)(g_t . g_s)`` for ``a [B,T,m]``, ``g [B,T,n]``."""
     if a.shape[1] == 1:  # Goodfellow: ||a g^T||^2 = ||a||^2 ||g||^2
@@ -467,7 +461,7 @@ def conv_patches(x, kernel_size, strides, padding, dilation_rate):
         return conv_patches(x[:, None], (1, *kernel_size), (1, *strides), padding,
                         (1, *dilation_rate))[:, 0]
     channels = x.shape[-1]
-    k = _prod(kernel_size)
+    k = math.prod(kernel_size)
     if len(kernel_size) == 2 and k * channels > ONE_HOT_PATCH_LIMIT:
         return tf.image.extract_patches(x, sizes=[1, *kernel_size, 1], strides=[1, *strides, 1],
                                         rates=[1, *dilation_rate, 1], padding=padding.upper())
@@ -519,7 +513,7 @@ class _ConvRule(LayerRule):
         convolution, for a channels-last layer without groups."""
         return (layer.groups == 1 and layer.data_format == "channels_last"
                 and inputs.shape[-1] is not None
-                and _prod(layer.kernel_size) * inputs.shape[-1] <= ONE_HOT_PATCH_LIMIT)
+                and math.prod(layer.kernel_size) * inputs.shape[-1] <= ONE_HOT_PATCH_LIMIT)
 
     def _patches_and_grads(self, layer, a, g):
         x, padding = a
@@ -565,7 +559,7 @@ class _ConvRule(LayerRule):
         steps = 1
         for s in spatial:
             steps = None if s is None or steps is None else steps * s
-        return _ghost_is_cheaper(steps, _prod(layer.kernel.shape[:-1]), layer.filters)
+        return _ghost_is_cheaper(steps, math.prod(layer.kernel.shape[:-1]), layer.filters)
 
     def sq_norms(self, layer, a, g):
         if layer.groups != 1:
