@@ -35,6 +35,10 @@ import keras
 import tensorflow as tf
 
 from gradtut import layer_rules
+# onednn_enabled, broadcast_matmul_hazards and is_broadcast_matmul_hazard live in
+# gradtut.layer_rules.onednn; they stay importable from here, where earlier versions had them.
+from gradtut.layer_rules import (broadcast_matmul_hazards, is_broadcast_matmul_hazard,  # noqa: F401 (re-exported)
+                                 onednn_enabled, owned_trainable)
 from gradtut.checks import (as_tensors, batch_size_of, check_keras_model, check_loss_fn,
                             check_present, check_real, check_seed)
 
@@ -43,6 +47,7 @@ NORM_METHODS = ("ghost",) + METHODS
 MAP_FN_PARALLEL_ITERATIONS = 8
 
 _cache = weakref.WeakKeyDictionary()  # model -> {key: tf.function}
+_TRACED_NORMS = {}  # id(layer) -> "ghost" or "materialised", as the last traced norm chose
 
 
 # --------------------------------------------------------------------------- input checks
@@ -52,10 +57,22 @@ def _layers(model):
     return model._flatten_layers(include_self=False)  # pylint: disable=protected-access
 
 
+_RATE_ATTRIBUTES = ("rate", "dropout", "recurrent_dropout", "stddev", "_dropout")
+
+
 def _random_layers(model):
-    """Layers that draw random numbers when training (Dropout, GaussianNoise, ...)."""
-    return [layer for layer in _layers(model)
-            if any(isinstance(v, keras.random.SeedGenerator) for v in vars(layer).values())]
+    """Layers that draw random numbers when training (Dropout, GaussianNoise, ...): those with a
+    seed generator, unless every rate they have is 0 (an ``LSTM`` with ``dropout=0`` holds a
+    generator but draws nothing)."""
+    found = []
+    for layer in _layers(model):
+        if not any(isinstance(v, keras.random.SeedGenerator) for v in vars(layer).values()):
+            continue
+        rates = [getattr(layer, name) for name in _RATE_ATTRIBUTES
+                 if isinstance(getattr(layer, name, None), (int, float))]
+        if not rates or any(rate > 0 for rate in rates):
+            found.append(layer)
+    return found
 
 
 def _grouped_convolutions(model):
@@ -152,15 +169,14 @@ def check_model(model, loss_fn, training, method):
                     "LayerNormalization / GroupNormalization instead."
                 )
         random_layers = _random_layers(model)
-        if random_layers and (method == "vectorized" or (
-                method in ("outer", "ghost") and "vectorized" in ghost_norm_plan(model).values())):
+        if random_layers and method == "vectorized":
             names = [layer.name for layer in random_layers]
             raise ValueError(
                 f"layers {names} draw random numbers in training mode. Inside tf.vectorized_map "
-                "(used by method 'vectorized', and by 'outer' and 'ghost' for layers without a "
-                "rule) a Keras random layer draws ONE mask for the whole batch, so every example "
-                "gets the same dropout pattern. Use method='jacobian', 'loop' or 'map_fn', or "
-                "training=False."
+                "(method 'vectorized') a Keras random layer draws ONE mask for the whole batch, "
+                "so every example gets the same dropout pattern. Use method='outer' (layers "
+                "with rules read the forward pass's own masks), 'jacobian', 'loop' or 'map_fn', "
+                "or training=False."
             )
 
 
@@ -198,17 +214,13 @@ def per_example_losses(model, loss_fn, x, y, training=False):
     return losses
 
 
-def _densify(grads, variables):
-    out = []
-    for g, v in zip(grads, variables):
-        if g is None:
-            raise ValueError(
-                f"variable {v.path!r} gets no gradient from the loss: it is not used in the "
-                "forward pass, or the path from it to the loss is not differentiable. Freeze it "
-                "(layer.trainable = False) or remove it."
-            )
-        out.append(tf.cast(tf.convert_to_tensor(g), v.dtype))
-    return out
+def _densify(grads, variables, batch_shape=None):
+    """Gradients as dense tensors in each variable's dtype; a variable the loss does not reach
+    gets zeros (``batch_shape + variable.shape``) and one warning, as in Keras's ``fit``."""
+    layer_rules.warn_unreached([v for g, v in zip(grads, variables) if g is None])
+    return [tf.zeros(v.shape if batch_shape is None else tf.concat([batch_shape, v.shape], 0),
+                     v.dtype) if g is None
+            else tf.cast(tf.convert_to_tensor(g), v.dtype) for g, v in zip(grads, variables)]
 
 
 def _cached(model, key, build):
@@ -223,104 +235,6 @@ def _cached(model, key, build):
 
 
 # ------------------------------------------------------- a TensorFlow bug we refuse to return
-
-
-def onednn_enabled():
-    """Whether this TensorFlow runs with oneDNN's CPU kernels: TensorFlow's default on Linux x86
-    CPUs with AVX512-VNNI, AVX512_BF16, AVX-VNNI or AMX, and off on older ones (AVX2-only, for
-    one). ``TF_ENABLE_ONEDNN_OPTS=1`` or ``0``, set before TensorFlow starts, decides instead.
-
-    Example:
-      >>> onednn_enabled() in (True, False)
-      True
-    """
-    try:
-        from tensorflow.python.util import _pywrap_util_port  # pylint: disable=import-outside-toplevel
-
-        return bool(_pywrap_util_port.IsMklEnabled())
-    except (ImportError, AttributeError):
-        return False
-
-
-def broadcast_matmul_hazards(graph):
-    """Batch matmuls in a traced graph that TensorFlow 2.21's oneDNN kernel gets wrong.
-
-    With oneDNN on (TensorFlow's default on x86 CPUs with AVX512-VNNI, AVX-VNNI or AMX; off
-    on older ones, see :func:`onednn_enabled`), ``tf.linalg.matmul`` of a ``[8, 1, 4, 8]`` tensor with
-    an ``[8, 8]`` matrix returns garbage or corrupts the heap (tensorflow/tensorflow#117700;
-    fixed upstream by PR #120199, after 2.21). ``tf.vectorized_map`` and ``tape.jacobian``
-    create exactly such ops from a layer's ``[1, T, d] @ [d, n]`` (attention, Dense on
-    sequences). Flagged: a batch matmul whose output has two or more batch axes, one of them
-    of size 1 (or unknown), where one operand broadcasts over the other's batch axes.
-
-    Args:
-      graph: a ``tf.Graph``, such as ``fn.get_concrete_function(...).graph`` of a
-        ``tf.function``; the functions it calls are searched too.
-
-    Returns:
-      list of ``"op name: shape @ shape"`` strings; empty when oneDNN is off.
-
-    Raises:
-      TypeError: ``graph`` is not a ``tf.Graph``.
-
-    Example:
-      >>> fn = tf.function(lambda a: tf.linalg.matmul(a, tf.ones([8, 8])))
-      >>> graph = fn.get_concrete_function(tf.TensorSpec([8, 1, 4, 8])).graph
-      >>> len(broadcast_matmul_hazards(graph)) == onednn_enabled()  # flagged only with oneDNN
-      True
-    """
-    if not isinstance(graph, tf.Graph):
-        fix = (" (a tf.function: pass fn.get_concrete_function(*args).graph)"
-               if hasattr(graph, "get_concrete_function") else "")
-        raise TypeError(f"graph must be a tf.Graph, got {type(graph).__name__}{fix}")
-    if not onednn_enabled():
-        return []
-    found, seen = [], set()
-
-    def walk(g):
-        if id(g) in seen:
-            return
-        seen.add(id(g))
-        for op in g.get_operations():
-            if is_broadcast_matmul_hazard(op):
-                found.append(f"{op.name}: {op.inputs[0].shape} @ {op.inputs[1].shape}")
-        for function in getattr(g, "_functions", {}).values():
-            if getattr(function, "graph", None) is not None:
-                walk(function.graph)
-
-    walk(graph)
-    return found
-
-
-def is_broadcast_matmul_hazard(op):
-    """Whether ``op`` (an operation of a traced graph) is a batch matmul of the shape that
-    :func:`broadcast_matmul_hazards` flags, whether or not oneDNN is on.
-
-    Raises:
-      TypeError: ``op`` is not a ``tf.Operation``.
-
-    Example:
-      >>> fn = tf.function(lambda a: tf.linalg.matmul(a, tf.ones([8, 8])))
-      >>> graph = fn.get_concrete_function(tf.TensorSpec([8, 1, 4, 8])).graph
-      >>> [is_broadcast_matmul_hazard(op) for op in graph.get_operations()
-      ...  if op.type.startswith("BatchMatMul")]
-      [True]
-    """
-    if not isinstance(op, tf.Operation):
-        raise TypeError(f"op must be a tf.Operation of a graph (graph.get_operations()), got "
-                        f"{type(op).__name__}")
-    if op.type not in ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
-        return False
-    a, b = (t.shape for t in op.inputs[:2])
-    if a.rank is None or b.rank is None:
-        return True
-    batch_a, batch_b = list(a[:-2]), list(b[:-2])
-    width = max(len(batch_a), len(batch_b))
-    batch_a = [1] * (width - len(batch_a)) + batch_a
-    batch_b = [1] * (width - len(batch_b)) + batch_b
-    broadcast = any(p != q for p, q in zip(batch_a, batch_b))
-    size_one = any(p in (1, None) and q in (1, None) for p, q in zip(batch_a, batch_b))
-    return width >= 2 and broadcast and size_one
 
 
 def _refuse_hazards():
@@ -430,7 +344,8 @@ def _jacobian(model, loss_fn, x, y, training, variables):
         def jacobian(x, y):
             with tf.GradientTape() as tape:
                 losses = per_example_losses(model, loss_fn, x, y, training)
-            return _densify(tape.jacobian(losses, variables, experimental_use_pfor=True), variables)
+            return _densify(tape.jacobian(losses, variables, experimental_use_pfor=True),
+                            variables, tf.shape(losses))
 
         return _checked_function(jacobian)  # one trace per batch shape, as in _vectorized_fn
 
@@ -440,12 +355,6 @@ def _jacobian(model, loss_fn, x, y, training, variables):
 # ------------------------------------------------ one backward pass: the layer rules
 
 
-def _fallback_variables(model, layers):
-    """Trainable variables no recorded layer rule covers: these go through vectorized_map."""
-    covered = {id(v) for layer, rule, _ in layers for v in rule.variables(layer)}
-    return [v for v in model.trainable_variables if id(v) not in covered]
-
-
 def _one_pass(model, loss_fn, x, y, training):
     return layer_rules.one_pass(model, lambda: per_example_losses(model, loss_fn, x, y, training))
 
@@ -453,15 +362,16 @@ def _one_pass(model, loss_fn, x, y, training):
 def _outer(model, loss_fn, x, y, training, variables):
     def build():
         def outer(x, y):
-            layers, _ = _one_pass(model, loss_fn, x, y, training)
+            layers, losses, rest = _one_pass(model, loss_fn, x, y, training)
             found = {}
             for layer, rule, pairs in layers:
                 found.update(layer_rules.per_example_of(layer, rule, pairs))
-            rest = _fallback_variables(model, layers)
-            if rest:
+            if rest:  # read outside their own layer's calls: the whole model, vectorised
                 found.update(zip(map(id, rest),
                                  _vectorized_fn(model, loss_fn, training, rest)(x, y)))
-            return [tf.cast(found[id(v)], v.dtype) for v in variables]
+            batch = tf.shape(losses)[:1]
+            return [tf.cast(found[id(v)], v.dtype) if id(v) in found
+                    else tf.zeros(tf.concat([batch, v.shape], 0), v.dtype) for v in variables]
 
         return _checked_function(outer, reduce_retracing=True)
 
@@ -534,24 +444,25 @@ def _ghost_sq_norms_fn(model, loss_fn, training):
     and of the fallback variables: a clipped sum reuses them."""
 
     def ghost(x, y):
-        layers, losses = _one_pass(model, loss_fn, x, y, training)
+        layers, losses, rest = _one_pass(model, loss_fn, x, y, training)
         dtype = _norm_dtype(model)
         trainable = {id(v) for v in model.trainable_variables}
         parts, materialised = [], {}
         for layer, rule, pairs in layers:
             sq = layer_rules.ghost_sq_norms_of(layer, rule, pairs, trainable)
+            _TRACED_NORMS[id(layer)] = "materialised" if sq is None else "ghost"
             if sq is None:
                 grads = {k: t for k, t in layer_rules.per_example_of(layer, rule, pairs).items()
                          if k in trainable}
                 materialised.update(grads)
                 sq = tf.add_n([layer_rules.squared_norms(t) for t in grads.values()])
             parts.append(tf.cast(sq, dtype))
-        rest = _fallback_variables(model, layers)
         if rest:
             rest_grads = _vectorized_fn(model, loss_fn, training, rest)(x, y)
             materialised.update(zip(map(id, rest), rest_grads))
             parts += [tf.cast(layer_rules.squared_norms(t), dtype) for t in rest_grads]
-        return layers, materialised, tf.add_n(parts), losses
+        sq = tf.add_n(parts) if parts else tf.zeros(tf.shape(losses), dtype)
+        return layers, materialised, sq, losses
 
     return ghost
 
@@ -641,7 +552,8 @@ def make_clipped_sum(model, loss_fn, training=False, with_outputs=False):
                 found.update(layer_rules.weighted_sum_of(layer, rule, pairs, weights))
         for key, t in materialised.items():  # sum_b w_b g_b from gradients already at hand
             found[key] = tf.tensordot(tf.cast(weights, t.dtype), t, axes=1)
-        grads = [tf.cast(found[id(v)], v.dtype) for v in model.trainable_variables]
+        grads = [tf.cast(found[id(v)], v.dtype) if id(v) in found else tf.zeros_like(v)
+                 for v in model.trainable_variables]
         return (grads, losses, outputs["predictions"]) if with_outputs else grads
 
     return clipped_sum
@@ -729,21 +641,15 @@ def _check_clip_and_noise(l2_norm_clip, noise_multiplier):
 # ------------------------------------------------------------------------------- the plan
 
 
-def _owned_trainable(layer):
-    """The trainable variables a layer owns itself (not through a sub-layer)."""
-    inner = {id(w) for sub in layer._flatten_layers(include_self=False)  # pylint: disable=protected-access
-             for w in sub.trainable_variables}
-    return [v for v in layer.trainable_variables if id(v) not in inner]
-
-
 def ghost_norm_plan(model):
     """Which rule computes each trainable layer's per-example gradients and norms.
 
     Returns:
-      dict ``{layer.name: rule}`` for every layer that owns trainable variables, where rule is
-      a rule name from :mod:`gradtut.layer_rules` (``"dense"``, ``"einsum_dense"``,
-      ``"embedding"``, ``"conv2d"``, ``"layer_normalization"``, ...) or ``"vectorized"`` (no
-      rule: that layer's variables are materialised with ``tf.vectorized_map``).
+      dict ``{layer path: rule}`` for every unit of :func:`gradtut.layer_rules.covered_layers`
+      (layers that own trainable variables, and recurrent layers), where rule is a rule name
+      from :mod:`gradtut.layer_rules` (``"dense"``, ``"einsum_dense"``, ``"embedding"``,
+      ``"conv2d"``, ``"layer_normalization"``, ...) or ``"layer-local"`` (no rule: that layer's
+      own variables are materialised from its own recorded inputs).
 
     Raises:
       TypeError: ``model`` is not a Keras model.
@@ -753,15 +659,11 @@ def ghost_norm_plan(model):
       ...                           keras.layers.PReLU(name="prelu"),
       ...                           keras.layers.Dense(3, name="out")])
       >>> ghost_norm_plan(model)
-      {'hidden': 'dense', 'prelu': 'vectorized', 'out': 'dense'}
+      {'hidden': 'dense', 'prelu': 'layer-local', 'out': 'dense'}
     """
     check_keras_model(model)
-    plan = {}
-    for layer in _layers(model):
-        if _owned_trainable(layer):
-            rule = layer_rules.rule_for(layer)
-            plan[layer.name] = rule.name if rule is not None else "vectorized"
-    return plan
+    paths = layer_rules.layer_paths(model)
+    return {paths[id(layer)]: rule.name for layer, rule in layer_rules.covered_layers(model)}
 
 
 class Plan(list):
@@ -775,6 +677,7 @@ class Plan(list):
       >>> print(Plan([("dense", "Dense", "dense", "ghost")]))
       layer  class  rule   norm
       dense  Dense  dense  ghost
+      1 layers: 1 ghost, 0 materialised by its rule, 0 layer-local, 0 unreached (zero)
     """
 
     def __init__(self, rows=()):
@@ -794,24 +697,53 @@ class Plan(list):
         widths = [max(len(str(r[i])) for r in [header, *self]) for i in range(4)]
         lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
                  for row in [header, *self]]
-        return "\n".join(lines)
+        return "\n".join(lines + [self.summary()])
+
+    def summary(self):
+        """One line: how many layers are ghost, materialised by a rule, layer-local (by
+        path), unreached and frozen."""
+        count = {"ghost": 0, "rule": 0, "local": 0, "unreached": 0, "frozen": 0}
+        paths = {}
+        for _, _, rule, norm in self:
+            if norm == "zero (unreached)":
+                count["unreached"] += 1
+            elif norm == "-":
+                count["frozen"] += 1
+            elif str(rule).startswith("layer-local"):
+                count["local"] += 1
+                path = str(rule).split(": ", 1)[1].split(" (")[0] if ": " in str(rule) else (
+                    "not yet traced")
+                paths[path] = paths.get(path, 0) + 1
+            elif norm == "ghost":
+                count["ghost"] += 1
+            else:
+                count["rule"] += 1
+        local = ", ".join(f"{n} {path}" for path, n in paths.items())
+        line = (f"{len(self)} layers: {count['ghost']} ghost, {count['rule']} materialised by "
+                f"its rule, {count['local']} layer-local" + (f" ({local})" if local else "")
+                + f", {count['unreached']} unreached (zero)")
+        return line + (f", {count['frozen']} frozen" if count["frozen"] else "")
 
     def _repr_pretty_(self, printer, cycle):  # IPython shows the table
         printer.text(str(self))
 
 
 def per_example_plan(model):
-    """A table, one row per layer that has variables: which rule computes its per-example
-    gradients, and whether its norm is ghost (never materialised) or materialised.
+    """A table, one row per layer that has variables of its own: how its per-example gradients
+    are computed, and whether its norm is ghost (never materialised) or materialised; then one
+    summary line.
 
-    Rows are ``(layer name, class name, rule, norm)``. ``rule`` is the registered rule's name,
-    ``"vectorized fallback (why)"`` where no rule applies, or ``"no trainable variables"`` (a
-    frozen layer). ``norm`` is ``"ghost"``, ``"materialised"`` (per layer, by its rule),
-    ``"materialised (vectorized_map)"`` or ``"-"``. For convolutions and Dense on sequences the
-    choice follows the layer's built input shape (ghost when 2 T^2 <= d p). A layer with a
-    frozen variable (``variable.trainable = False``) is materialised. So is a layer called
-    several times whose rule cannot merge the calls (a convolution), which the plan cannot
-    see: it follows the built shape there.
+    Rows are ``(layer path, class name, rule, norm)``. ``rule`` is the registered rule's name;
+    ``"layer-local: vectorized_map (why)"`` or ``"layer-local: loop over examples (why)"`` for
+    a layer without a rule (``"layer-local (no rule: ...)"`` until a function using it has
+    been traced, which decides the path); or ``"no trainable variables"`` (a frozen layer).
+    ``norm`` is ``"ghost"``, ``"materialised"``, ``"zero (unreached)"`` (the loss did not
+    reach its variables in a traced call) or ``"-"``. For convolutions, Dense and EinsumDense
+    on sequences the choice is the one the last traced ghost norm or clipped gradient made,
+    and before any, the one the layer's built input shape gives (ghost when
+    ``2 T^2 <= d p``; materialised where a length was unknown when built). A layer with a frozen variable (``variable.trainable = False``) is
+    materialised. So is a layer called several times whose rule cannot merge the calls (a
+    convolution), which the plan cannot see: it follows the built shape there.
 
     Raises:
       TypeError: ``model`` is not a Keras model.
@@ -821,30 +753,54 @@ def per_example_plan(model):
       ...                           keras.layers.LayerNormalization(name="norm"),
       ...                           keras.layers.PReLU(name="prelu")])
       >>> print(per_example_plan(model))
-      layer   class               rule                                                norm
-      hidden  Dense               dense                                               ghost
-      norm    LayerNormalization  layer_normalization                                 materialised
-      prelu   PReLU               vectorized fallback (no rule registered for PReLU)  materialised (vectorized_map)
+      layer   class               rule                                        norm
+      hidden  Dense               dense                                       ghost
+      norm    LayerNormalization  layer_normalization                         materialised
+      prelu   PReLU               layer-local (no rule registered for PReLU)  materialised
+      3 layers: 1 ghost, 1 materialised by its rule, 1 layer-local (1 not yet traced), 0 unreached (zero)
     """
     check_keras_model(model)
     rows = Plan()
-    for layer in _layers(model):
-        inner = {id(w) for sub in layer._flatten_layers(include_self=False)  # pylint: disable=protected-access
-                 for w in sub.weights}
-        if not [v for v in layer.weights if id(v) not in inner]:
-            continue  # no variables of its own (Flatten, or a block made of sub-layers)
+    units = {id(layer): rule for layer, rule in layer_rules.covered_layers(model)}
+    recurrent = [layer for layer in [model, *_layers(model)]
+                 if isinstance(layer, keras.layers.RNN)]
+    inside_rnn = {id(sub) for layer in recurrent
+                  for sub in layer._flatten_layers(include_self=False)}  # pylint: disable=protected-access
+    unreached = layer_rules.engine.UNREACHED
+    paths = layer_rules.layer_paths(model)
+    for layer in [model, *_layers(model)]:
+        if id(layer) in inside_rnn:
+            continue
+        rule = units.get(id(layer))
+        own = (rule.variables(layer) if rule is not None else owned_trainable(layer))
+        if not own:
+            if layer is not model and not isinstance(layer, keras.layers.RNN) and [
+                    v for v in layer.weights if id(v) not in {
+                        id(w) for sub in layer._flatten_layers(include_self=False)  # pylint: disable=protected-access
+                        for w in sub.weights}]:
+                rows.append((paths[id(layer)], type(layer).__name__, "no trainable variables",
+                             "-"))
+            continue
         cls = type(layer).__name__
-        if not _owned_trainable(layer):
-            rows.append((layer.name, cls, "no trainable variables", "-"))
-            continue
-        rule = layer_rules.rule_for(layer)
-        if rule is None:
-            _, why = layer_rules.explain(layer)
-            rows.append((layer.name, cls, f"vectorized fallback ({why})",
-                         "materialised (vectorized_map)"))
-            continue
-        shape = next(iter((getattr(layer, "_build_shapes_dict", None) or {}).values()), None)
-        ghost = (shape is not None and rule.ghost(layer, tuple(shape))
-                 and all(v.trainable for v in rule.variables(layer)))
-        rows.append((layer.name, cls, rule.name, "ghost" if ghost else "materialised"))
+        if all(id(v) in unreached for v in own):
+            norm = "zero (unreached)"
+        elif isinstance(rule, layer_rules.LocalRule):
+            norm = "materialised"
+        elif id(layer) in _TRACED_NORMS:
+            norm = _TRACED_NORMS[id(layer)]
+        else:
+            shape = next(iter((getattr(layer, "_build_shapes_dict", None) or {}).values()), None)
+            ghost = (shape is not None and rule.ghost(layer, tuple(shape))
+                     and all(v.trainable for v in rule.variables(layer)))
+            norm = "ghost" if ghost else "materialised"
+        if isinstance(rule, layer_rules.LocalRule):
+            why = ("recurrent: its cell runs in a loop over time steps"
+                   if isinstance(layer, keras.layers.RNN) else layer_rules.explain(layer)[1])
+            path, detail = layer_rules.LocalRule.paths.get(id(layer), (None, None))
+            if detail:
+                why = f"{why}; {detail}"
+            name = f"layer-local: {path} ({why})" if path else f"layer-local ({why})"
+        else:
+            name = rule.name
+        rows.append((paths[id(layer)], cls, name, norm))
     return rows

@@ -215,17 +215,99 @@ def einsum_variants():
         L.Flatten(), L.Dense(CLASSES)], name="einsum_variants")
 
 
+def lora_attention():
+    """Keras LoRA inside MultiHeadAttention (EinsumDense) and on a Dense on sequences, the
+    adapters' B made non-zero (Keras starts them at zero, where A gets no gradient)."""
+    inputs = keras.Input((4, 8))
+    attention_layer = L.MultiHeadAttention(num_heads=2, key_dim=4)
+    h = attention_layer(inputs, inputs)
+    dense = L.Dense(6)
+    h = dense(h)
+    model = keras.Model(inputs, L.Dense(CLASSES)(L.Flatten()(h)), name="lora_attention")
+    for layer in (attention_layer.query_dense, attention_layer.value_dense,
+                  attention_layer.output_dense, dense):
+        layer.enable_lora(2)
+        layer.lora_kernel_b.assign(np.random.default_rng(1).normal(
+            0, 0.3, layer.lora_kernel_b.shape).astype("float32"))
+    dense.bias.trainable = False  # adapters only here; the attention biases still train
+    return model
+
+
+def lstm():
+    return keras.Sequential([keras.Input((5, 3)), L.LSTM(4), L.Dense(CLASSES)], name="lstm")
+
+
+def gru():
+    return keras.Sequential([keras.Input((5, 3)), L.GRU(4, return_sequences=True),
+                             L.GlobalAveragePooling1D(), L.Dense(CLASSES)], name="gru")
+
+
+def bidirectional():
+    return keras.Sequential([keras.Input((5, 3)), L.Bidirectional(L.SimpleRNN(3)),
+                             L.Dense(CLASSES)], name="bidirectional")
+
+
+class _Unreached(keras.Model):
+    """A head that never reads ``unused`` (as BERT's pooler under a token-level head)."""
+
+    def __init__(self):
+        super().__init__(name="unreached")
+        self.body = L.Dense(6, activation="tanh")
+        self.unused = L.Dense(4)
+        self.head = L.Dense(CLASSES)
+
+    def build(self, input_shape):
+        self.body.build(input_shape)
+        self.unused.build((None, 6))
+        self.head.build((None, 6))
+
+    def call(self, x):
+        return self.head(self.body(x))
+
+
+def unreached():
+    model = _Unreached()
+    model(np.zeros((1, 12), "float32"))
+    return model
+
+
+class ScaledBlock(L.Layer):
+    """A custom layer with its own variable around two ruled sub-layers:
+    ``dense_2(tanh(dense_1(x)) * gate)``, gate a per-feature weight it owns."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = L.Dense(6, activation="tanh")
+        self.outer = L.Dense(5)
+
+    def build(self, input_shape):
+        self.inner.build(input_shape)
+        self.outer.build((*input_shape[:-1], 6))
+        self.gate = self.add_weight(shape=(6,), initializer="random_normal", name="gate")
+
+    def call(self, x):
+        return self.outer(self.inner(x) * self.gate)
+
+
+def custom_block():
+    return keras.Sequential([keras.Input((4, 3)), ScaledBlock(), L.Flatten(), L.Dense(CLASSES)],
+                            name="custom_block")
+
+
 MODELS = {f.__name__: f for f in (
     mlp, two_inputs, cnn, grouped_conv, depthwise, conv1d, conv3d, wide_conv, layer_norm,
     group_norm,
     text, masked_text, attention, transformer, shared_dense, discarded_call, frozen,
-    subclassed, no_rule, norm_variants, einsum_variants)}
+    subclassed, no_rule, norm_variants, einsum_variants, lora_attention, lstm, gru,
+    bidirectional, unreached, custom_block)}
 INPUT_SHAPES = {"mlp": (12,), "cnn": (8, 8, 1), "grouped_conv": (8, 8, 4),
                 "depthwise": (8, 8, 3), "conv1d": (10, 24), "conv3d": (4, 4, 4, 2), "wide_conv": (6, 6, 8),
                 "layer_norm": (12,), "group_norm": (6, 6, 2), "text": (6,), "masked_text": (6,),
                 "attention": (4, 8), "transformer": (4, 8), "shared_dense": (12,),
                 "discarded_call": (6,), "frozen": (12,), "subclassed": (12,), "no_rule": (12,),
-                "norm_variants": (4, 3), "einsum_variants": (6, 4)}
+                "norm_variants": (4, 3), "einsum_variants": (6, 4), "lora_attention": (4, 8),
+                "lstm": (5, 3), "gru": (5, 3), "bidirectional": (5, 3), "unreached": (12,),
+                "custom_block": (4, 3)}
 
 
 def batch_for(name, batch_size, seed=0):

@@ -13,11 +13,15 @@ import tensorflow as tf
 from gradtut import layer_rules
 from gradtut.checks import assert_gradients_close
 from gradtut.layer_rules import (DenseRule, EinsumDenseRule, EmbeddingRule, GroupNormalizationRule,
-                                 LayerNormalizationRule, LayerRule, RMSNormalizationRule,
-                                 covered_layers, explain, ghost_sq_norms_of, one_pass,
+                                 LayerNormalizationRule, LayerRule, LocalRule, LoraRule,
+                                 PositionEmbeddingRule, RMSNormalizationRule,
+                                 ReversibleEmbeddingRule, class_path, covered_layers, explain,
+                                 ghost_sq_norms_of, layer_paths, one_pass, owned_trainable,
                                  per_example_of, recording, register_rule, registry_version,
-                                 rule_for, squared_norms, unregister_rule, weighted_sum_of)
-from gradtut.per_example import (clipped_gradient, onednn_enabled, per_example_gradient_norms,
+                                 onednn_enabled, rule_for, squared_norms, unregister_rule,
+                                 warn_unreached, weighted_sum_of)
+from gradtut.layer_rules.lora import equations
+from gradtut.per_example import (clipped_gradient, per_example_gradient_norms,
                                  per_example_gradients, per_example_plan)
 from model_zoo import LOSS
 
@@ -37,6 +41,10 @@ class Scale(keras.layers.Layer):
 class ScaleSubclass(Scale):
     def call(self, x):
         return x * self.w * 2.0
+
+
+class ScaleChild(Scale):
+    """Does not override call: computes what Scale does, so Scale's rule covers it."""
 
 
 def scale_model(layer_class):
@@ -81,15 +89,51 @@ def test_a_registered_rule_for_a_custom_layer_matches_the_loop(scale_rule):
     assert_gradients_close(clipped, [tf.reduce_mean(g, 0) for g in expected], **TOL)
 
 
-def test_a_subclass_never_gets_its_parents_rule(scale_rule):
+def test_a_subclass_that_overrides_call_never_gets_its_parents_rule(scale_rule):
     """ScaleSubclass overrides call: the Scale rule would compute the wrong output."""
     model = scale_model(ScaleSubclass)
     assert [row[2] for row in per_example_plan(model)][1] == (
-        "vectorized fallback (no rule registered for ScaleSubclass)")
+        "layer-local (ScaleSubclass overrides call() of Scale, whose rule (scale) does not "
+        "cover it)")
     rng = np.random.default_rng(6)
     x, y = rng.normal(size=(4, 3, 5)).astype("float32"), rng.integers(0, 3, 4)
     got = per_example_gradients(model, LOSS, x, y, "outer")
     assert_gradients_close(got, per_example_gradients(model, LOSS, x, y, "loop"), **TOL)
+
+
+def test_a_subclass_that_keeps_call_uses_its_parents_rule(scale_rule):
+    model = scale_model(ScaleChild)
+    assert [row[2] for row in per_example_plan(model)] == ["dense", "scale", "dense"]
+    rng = np.random.default_rng(16)
+    x, y = rng.normal(size=(4, 3, 5)).astype("float32"), rng.integers(0, 3, 4)
+    got = per_example_gradients(model, LOSS, x, y, "outer")
+    assert_gradients_close(got, per_example_gradients(model, LOSS, x, y, "loop"), **TOL)
+
+
+def test_a_rule_registered_by_class_path_covers_that_class(scale_rule):
+    @register_rule(layer_rules.class_path(ScaleSubclass))
+    class DoubleScaleRule(LayerRule):
+        name = "double_scale"
+
+        def variables(self, layer):
+            return [layer.w]
+
+        def forward(self, layer, x):
+            z = x * layer.w * 2.0
+            return z, x * 2.0, z
+
+        def per_example(self, layer, a, g):
+            return [tf.reduce_sum(a * g, axis=list(range(1, a.shape.rank - 1)))]
+
+    try:
+        model = scale_model(ScaleSubclass)
+        assert [row[2] for row in per_example_plan(model)][1] == "double_scale"
+        rng = np.random.default_rng(17)
+        x, y = rng.normal(size=(4, 3, 5)).astype("float32"), rng.integers(0, 3, 4)
+        got = per_example_gradient_norms(model, LOSS, x, y, "outer")
+        assert_gradients_close(got, per_example_gradient_norms(model, LOSS, x, y, "loop"), **TOL)
+    finally:
+        assert unregister_rule(layer_rules.class_path(ScaleSubclass)) is not None
 
 
 def test_without_a_rule_the_layer_falls_back_and_is_still_right():
@@ -102,25 +146,65 @@ def test_without_a_rule_the_layer_falls_back_and_is_still_right():
 
 
 def test_register_rule_refuses_what_is_not_a_layer_class_or_a_rule():
-    with pytest.raises(TypeError, match="needs a Keras layer class"):
+    with pytest.raises(TypeError, match="takes a Keras layer class or its 'module.QualName'"):
         register_rule("Dense")
+    with pytest.raises(TypeError, match="needs a Keras layer class"):
+        register_rule(int)
     with pytest.raises(TypeError, match="decorates a LayerRule subclass"):
         register_rule(Scale)(object)
-    assert explain(Scale()) == ("vectorized fallback", "no rule registered for Scale")
-    with pytest.raises(TypeError, match="unregister_rule needs a Keras layer class"):
+    assert explain(Scale()) == ("layer-local", "no rule registered for Scale")
+    with pytest.raises(TypeError, match="unregister_rule takes a Keras layer class"):
         unregister_rule("Scale")
 
 
-def test_lora_layers_fall_back_with_the_reason():
+@pytest.mark.parametrize("rank", [1, 2, 3])
+def test_lora_dense_has_closed_form_gradients_and_ghost_norms(rank):
+    """Inputs [B, 6], [B, 4, 6], [B, 2, 3, 6]; B of the adapters made non-zero (Keras starts
+    it at zero, where A's gradient is zero too)."""
     keras.utils.set_random_seed(8)
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4), keras.layers.Dense(3)])
-    model.layers[0].enable_lora(2)
-    plan = per_example_plan(model)
-    assert plan[0][2] == "vectorized fallback (LoRA is enabled)"
+    shape = {1: (6,), 2: (4, 6), 3: (2, 3, 6)}[rank]
+    model = keras.Sequential([keras.Input(shape), keras.layers.Dense(4), keras.layers.Flatten(),
+                              keras.layers.Dense(3)])
+    lora = model.layers[0]
+    lora.enable_lora(2, lora_alpha=3)
+    lora.lora_kernel_b.assign(tf.random.normal(lora.lora_kernel_b.shape))
+    assert per_example_plan(model)[0][2] == "dense + lora"
+    assert [v.name for v in rule_for(lora).variables(lora)] == ["lora_kernel_a", "lora_kernel_b",
+                                                                "bias"]
     rng = np.random.default_rng(9)
-    x, y = rng.normal(size=(5, 6)).astype("float32"), rng.integers(0, 3, 5)
+    x, y = rng.normal(size=(5, *shape)).astype("float32"), rng.integers(0, 3, 5)
     got = per_example_gradients(model, LOSS, x, y, "outer")
-    assert_gradients_close(got, per_example_gradients(model, LOSS, x, y, "loop"), **TOL)
+    norms = per_example_gradient_norms(model, LOSS, x, y)
+    clipped = clipped_gradient(model, LOSS, x, y, l2_norm_clip=0.1)
+    expected = per_example_gradients(model, LOSS, x, y, "loop")
+    assert_gradients_close(got, expected, **TOL)
+    expected_norms = np.sqrt(sum(np.sum(np.square(g.numpy()), axis=tuple(range(1, g.ndim)))
+                                 for g in expected))
+    assert_gradients_close(norms, expected_norms, **TOL)
+    scale = np.minimum(1.0, 0.1 / expected_norms)
+    assert_gradients_close(clipped, [np.tensordot(scale, g.numpy(), axes=1) / 5
+                                     for g in expected], **TOL)
+
+
+def test_lora_einsum_dense_ghost_norms_equal_materialised_ones():
+    """The Gram form of both adapters on the attention's query equation, against the norms of
+    the materialised per-example gradients, for several lengths."""
+    keras.utils.set_random_seed(10)
+    for steps in (1, 3, 9):
+        layer = keras.layers.EinsumDense("btd,dhk->bthk", output_shape=(None, 2, 3),
+                                         bias_axes="hk")
+        layer.build((None, steps, 4))
+        layer.enable_lora(2)
+        layer.lora_kernel_b.assign(tf.random.normal(layer.lora_kernel_b.shape))
+        rule = rule_for(layer)
+        x = tf.random.normal([5, steps, 4])
+        _, a, z = rule.forward(layer, x)
+        g = tf.random.normal(z.shape)
+        ghost = rule.sq_norms(layer, a, g)
+        assert ghost is not None
+        materialised = sum(squared_norms(t) for t in rule.per_example(layer, a, g))
+        assert_gradients_close(ghost, materialised, **TOL)
+        np.testing.assert_allclose(rule.forward(layer, x)[0], layer(x), rtol=1e-5, atol=1e-5)
 
 
 REPRODUCTION = textwrap.dedent("""
@@ -157,7 +241,7 @@ def test_plain_tensorflow_reproduction_of_the_onednn_broadcast_matmul_bug():
 
 
 def test_the_hazard_check_flags_that_op_and_not_its_safe_neighbours():
-    from gradtut.per_example import broadcast_matmul_hazards, is_broadcast_matmul_hazard
+    from gradtut.layer_rules import broadcast_matmul_hazards, is_broadcast_matmul_hazard
 
     def matmuls(a_shape, b_shape):
         fn = tf.function(lambda a, b: tf.linalg.matmul(a, b))
@@ -258,7 +342,7 @@ def test_ghost_sq_norms_of_is_the_materialised_norm_where_cheaper_and_none_elsew
     rng = np.random.default_rng(12)
     x = tf.constant(rng.normal(size=(5, 8, 8, 1)).astype("float32"))
     y = tf.constant(rng.integers(0, 3, 5))
-    layers, _ = one_pass(model, lambda: LOSS(y, model(x)))
+    layers, _, _ = one_pass(model, lambda: LOSS(y, model(x)))
     trainable = {id(v) for v in model.trainable_variables}
     ghost = [ghost_sq_norms_of(*entry, trainable) for entry in layers]
     assert ghost[0] is None  # 64 positions: materialising 9 x 4 values is cheaper than the Gram
@@ -288,7 +372,7 @@ def dense_model():
 def recorded_dense():
     """``(layer, rule, pairs)`` of a Dense layer, as one_pass returns them."""
     model = dense_model()
-    layers, _ = one_pass(model, lambda: tf.reduce_sum(model(tf.ones([4, 3])), 1))
+    layers, _, _ = one_pass(model, lambda: tf.reduce_sum(model(tf.ones([4, 3])), 1))
     return layers[0]
 
 
@@ -341,7 +425,7 @@ def test_rule_for_and_explain_need_a_layer():
         rule_for("dense")
     with pytest.raises(TypeError, match="explain needs a Keras layer, got type"):
         explain(keras.layers.Dense)
-    assert explain(keras.layers.PReLU()) == ("vectorized fallback", "no rule registered for PReLU")
+    assert explain(keras.layers.PReLU()) == ("layer-local", "no rule registered for PReLU")
 
 
 def test_recording_covered_layers_and_one_pass_refuse_bad_arguments():
@@ -384,3 +468,46 @@ def test_per_layer_functions_refuse_what_one_pass_would_not_return():
                                          r"with the batch first; got a scalar"):
         squared_norms(tf.constant(3.0))
     assert squared_norms(tf.constant([3.0, -2.0])).numpy().tolist() == [9.0, 4.0]
+
+
+def test_the_package_helpers_refuse_bad_arguments():
+    from gradtut.layer_rules import einsum
+    from gradtut.layer_rules.local import is_recurrent, random_ops
+
+    dense = keras.layers.Dense(2)
+    bad = r"einsum equation 'I,K->O'|batch axis first"
+    with pytest.raises(ValueError, match=bad):
+        einsum.parse("bi,ij")
+    with pytest.raises(ValueError, match=bad):
+        einsum.gram_axes("bi;ij->bj")
+    with pytest.raises(ValueError, match=bad):
+        einsum.ghost("bi,ij->cj", (3, 4), 2)  # the batch letter not kept
+    with pytest.raises(ValueError, match=bad):
+        einsum.sq_norms("...i,ij->...j", tf.ones([2, 3]), tf.ones([2, 4]), (3, 4))
+    with pytest.raises(ValueError, match=bad):
+        einsum.weighted_sum("bi,bij->bj", tf.ones([2, 3]), tf.ones([2, 4]), tf.ones([2]))
+    with pytest.raises(TypeError, match="equation must be an einsum string 'I,K->O', got int"):
+        einsum.parse(3)
+    with pytest.raises(ValueError, match="the kernel's last axis 'j' is not an output-only axis"):
+        equations("bi,ij->bi")
+    with pytest.raises(TypeError, match="LoraRule wraps the rule of a LoRA-capable layer"):
+        LoraRule(EmbeddingRule())
+    with pytest.raises(TypeError, match=r"LocalRule takes the \(layer, rule\) pairs"):
+        LocalRule([dense])
+    with pytest.raises(TypeError, match="ReversibleEmbeddingRule is the rule for "
+                                        "ReversibleEmbedding layers, got Dense"):
+        ReversibleEmbeddingRule().unsupported(dense)
+    with pytest.raises(TypeError, match="PositionEmbeddingRule.unsupported needs a Keras layer"):
+        PositionEmbeddingRule().unsupported("position_embedding")
+    with pytest.raises(TypeError, match="layer_paths needs a Keras model, got list"):
+        layer_paths([dense])
+    with pytest.raises(TypeError, match="warn_unreached takes a list of Keras variables"):
+        warn_unreached(["kernel"])
+    with pytest.raises(TypeError, match="is_recurrent needs a Keras layer, got type"):
+        is_recurrent(keras.layers.LSTM)
+    with pytest.raises(TypeError, match="owned_trainable needs a Keras layer, got str"):
+        owned_trainable("dense")
+    with pytest.raises(TypeError, match=r"random_ops needs a tf.Graph \(fn.get_concrete_function"):
+        random_ops(tf.function(lambda: 1))
+    with pytest.raises(TypeError, match=r"class_path needs a class \(type\(layer\)\), got Dense"):
+        class_path(dense)

@@ -6,6 +6,7 @@ reused inputs or computed the reference first could then pass by luck.
 """
 import itertools
 import logging
+import re
 
 import keras
 import numpy as np
@@ -14,8 +15,8 @@ import tensorflow as tf
 from hypothesis import given, settings, strategies as st
 
 from gradtut.checks import assert_gradients_close
-from gradtut.per_example import (METHODS, Plan, onednn_enabled, broadcast_matmul_hazards,
-                                 check_model, clipped_gradient, ghost_norm_plan,
+from gradtut.layer_rules import broadcast_matmul_hazards, onednn_enabled
+from gradtut.per_example import (METHODS, Plan, check_model, clipped_gradient, ghost_norm_plan,
                                  make_clipped_sum, per_example_gradient_norms,
                                  per_example_gradients, per_example_plan)
 from model_zoo import LOSS, MODELS, batch_for
@@ -36,7 +37,8 @@ def refusal(name, method, batch_size):
         return r"\['conv2d.*'conv2d.*\] are grouped convolutions.*method='loop' or 'map_fn'"
     if name == "einsum_variants" and method in ("vectorized", "jacobian"):
         return r"\['conv1d.*'\] are grouped convolutions"
-    if (name in ("attention", "transformer") and method == "vectorized" and batch_size > 1
+    if (name in ("attention", "transformer", "lora_attention") and method == "vectorized"
+            and batch_size > 1
             and onednn_enabled()):  # [B, 1, T, d] @ [d, n] inside vectorized_map
         return r"oneDNN.*tensorflow/tensorflow#117700.*multi_head_attention.*TF_ENABLE_ONEDNN_OPTS=0"
     return None
@@ -65,8 +67,9 @@ def loop_by_hand(model, x, y):
         with tf.GradientTape() as tape:
             loss = LOSS(y[i:i + 1], model(xi))[0]
         rows.append(tape.gradient(loss, model.trainable_variables))
-    return [tf.stack([tf.convert_to_tensor(r[j]) for r in rows])
-            for j in range(len(model.trainable_variables))]
+    variables = model.trainable_variables  # a variable the loss does not reach: zero, as in fit
+    return [tf.stack([tf.zeros_like(v) if r[j] is None else tf.convert_to_tensor(r[j])
+                      for r in rows]) for j, v in enumerate(variables)]
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -126,18 +129,23 @@ def test_mean_of_per_example_gradients_is_the_batch_gradient(models):
 
 def test_plan_shows_rules_fallbacks_and_ghost_choices(models):
     plan = ghost_norm_plan(models["no_rule"])
-    assert sorted(plan.values()) == ["dense", "dense", "vectorized"]
+    assert sorted(plan.values()) == ["dense", "dense", "layer-local"]
     assert set(ghost_norm_plan(models["cnn"]).values()) == {"conv2d", "dense"}
     wide = {row[0]: row[3] for row in per_example_plan(models["wide_conv"])}
     assert list(wide.values()) == ["materialised", "materialised", "ghost", "materialised"]
     assert set(ghost_norm_plan(models["text"]).values()) == {"embedding", "dense"}
-    assert "vectorized" not in ghost_norm_plan(models["transformer"]).values()
+    assert "layer-local" not in ghost_norm_plan(models["transformer"]).values()
     assert set(ghost_norm_plan(models["attention"]).values()) == {"einsum_dense", "dense"}
 
     table = per_example_plan(models["no_rule"])
-    assert [row[2] for row in table] == ["dense", "vectorized fallback (no rule registered for "
-                                         "PReLU)", "dense"]
-    assert [row[3] for row in table] == ["ghost", "materialised (vectorized_map)", "ghost"]
+    assert [row[2] for row in table][::2] == ["dense", "dense"]
+    # before a trace the path is not yet decided; after one, it is named
+    assert re.fullmatch(r"layer-local(: vectorized_map)? \(no rule registered for PReLU\)",
+                        table[1][2]), table[1][2]
+    assert [row[3] for row in table] == ["ghost", "materialised", "ghost"]
+    assert re.fullmatch(r"3 layers: 2 ghost, 0 materialised by its rule, 1 layer-local "
+                        r"\(1 (vectorized_map|not yet traced)\), 0 unreached \(zero\)",
+                        table.summary()), table.summary()
     text = str(table)
     assert text.splitlines()[0].split() == ["layer", "class", "rule", "norm"]
     assert "PReLU" in text
@@ -376,18 +384,33 @@ def _model_with_unused_head():
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_a_variable_without_gradient_is_named(method):
-    x, y = np.ones((2, 4), "float32"), np.array([0, 1])
-    with pytest.raises(ValueError, match=r"^variable '.*unused_head.*gets no gradient"):
-        per_example_gradients(_model_with_unused_head(), LOSS, x, y, method)
+def test_a_variable_the_loss_does_not_reach_gets_zero_and_one_warning(method):
+    """As Keras's fit does: zero gradient, a warning naming it, not a refusal; the other
+    variables still match the hand-written loop."""
+    model = _model_with_unused_head()
+    x, y = np.random.default_rng(next(_seeds)).normal(size=(3, 4)).astype("float32"), np.array(
+        [0, 1, 2])
+    with pytest.warns(UserWarning, match=r"does not reach 2 trainable.*unused_head"):
+        got = per_example_gradients(model, LOSS, x, y, method)
+    expected = loop_by_hand(model, x, y)
+    assert_gradients_close(got, expected, **TOL)
+    unused = [i for i, v in enumerate(model.trainable_variables) if "unused_head" in v.path]
+    assert len(unused) == 2 and all(not np.any(got[i].numpy()) for i in unused)
 
 
 def test_map_fn_failing_inside_leaves_distribution_strategies_working():
     """tf.map_fn sets a caching device on the variable scope and, when its fn raises, leaves it
     set: every later MirroredStrategy().scope() then failed."""
     x, y = np.ones((2, 4), "float32"), np.array([0, 1])
-    with pytest.raises(ValueError, match="gets no gradient"):
-        per_example_gradients(_model_with_unused_head(), LOSS, x, y, "map_fn")
+
+    def loss_that_fails_per_example(labels, logits):
+        if logits.shape[0] == 1:  # map_fn's function sees one example at a time
+            raise ValueError("failing inside map_fn on purpose")
+        return LOSS(labels, logits)
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    with pytest.raises(ValueError, match="failing inside map_fn on purpose"):
+        per_example_gradients(model, loss_that_fails_per_example, x, y, "map_fn")
     assert tf.compat.v1.get_variable_scope().caching_device is None
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():
@@ -430,14 +453,57 @@ def dropout_model_with_fallback():
                              keras.layers.Dropout(0.5, name="drop"), keras.layers.Dense(3)])
 
 
-@pytest.mark.parametrize("method", ["vectorized", "outer"])
-def test_dropout_in_a_vectorized_map_is_refused(method):
+def test_dropout_in_a_vectorized_map_is_refused():
     x, y = np.ones((4, 6), "float32"), np.array([0, 1, 2, 0])
-    model = dropout_model() if method == "vectorized" else dropout_model_with_fallback()
     with pytest.raises(ValueError, match=r"\['drop'\].*ONE mask for the whole batch"):
-        per_example_gradients(model, LOSS, x, y, method, training=True)
-    with pytest.raises(ValueError, match="ONE mask"):
-        clipped_gradient(dropout_model_with_fallback(), LOSS, x, y, 1.0, training=True)
+        per_example_gradients(dropout_model(), LOSS, x, y, "vectorized", training=True)
+
+
+def test_dropout_beside_a_layer_local_layer_reads_the_forward_masks():
+    """PReLU has no rule: its layer-local gradient re-runs PReLU alone, never the Dropout, so
+    'outer', ghost norms and the clipped gradient equal 'jacobian' on the same masks."""
+    model = dropout_model_with_fallback()
+    seeds = model.get_layer("drop").seed_generator.state
+    start = seeds.numpy()
+    x = np.random.default_rng(next(_seeds)).normal(size=(6, 6)).astype("float32")
+    y = np.array([0, 1, 2, 0, 1, 2])
+
+    def replay(fn):
+        seeds.assign(start)
+        return fn()
+
+    got = replay(lambda: per_example_gradients(model, LOSS, x, y, "outer", training=True))
+    ghost = replay(lambda: per_example_gradient_norms(model, LOSS, x, y, training=True))
+    clip = float(np.median(ghost))
+    clipped = replay(lambda: clipped_gradient(model, LOSS, x, y, clip, training=True))
+    expected = replay(lambda: per_example_gradients(model, LOSS, x, y, "jacobian", training=True))
+    assert_gradients_close(got, expected, **TOL)
+    norms = norms_of(expected)
+    assert_gradients_close(ghost, norms, **TOL)
+    by_hand = [np.tensordot(np.minimum(1, clip / norms), g.numpy(), axes=1) / 6 for g in expected]
+    assert_gradients_close(clipped, by_hand, **TOL)
+
+
+class _NoisyScale(keras.layers.Layer):
+    """No rule, and dropout inside its own call: a layer-local re-run would draw new masks."""
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="w")
+        self.drop = keras.layers.Dropout(0.5)
+
+    def call(self, x, training=None):
+        return self.drop(x * self.w, training=training)
+
+
+def test_a_layer_local_layer_that_draws_random_numbers_itself_is_refused():
+    model = keras.Sequential([keras.Input((6,)), _NoisyScale(name="noisy"), keras.layers.Dense(3)])
+    x, y = np.ones((4, 6), "float32"), np.array([0, 1, 2, 0])
+    with pytest.raises(ValueError, match=r"'noisy'.*no rule.*draws random numbers.*training=False"):
+        per_example_gradients(model, LOSS, x, y, "outer", training=True)
+    with pytest.raises(ValueError, match=r"'noisy'.*draws random numbers"):
+        clipped_gradient(model, LOSS, x, y, 1.0, training=True)
+    got = per_example_gradients(model, LOSS, x, y, "outer", training=False)
+    assert_gradients_close(got, loop(model, x, y), **TOL)
 
 
 def test_one_pass_methods_handle_dropout_when_no_layer_falls_back():

@@ -1,0 +1,40 @@
+"""Shape helpers the rules share: rows over positions, Gram-form squared norms, and the
+mixed ghost-clipping choice (notebook 01, section 7)."""
+import tensorflow as tf
+
+
+def _apply_activation(layer, z):
+    return layer.activation(z) if getattr(layer, "activation", None) is not None else z
+
+
+def _rows(t, width):
+    """``[B, ..., width] -> [B, T, width]``; T static where the shape is known."""
+    middle = t.shape[1:-1]
+    steps = middle.num_elements() if middle.is_fully_defined() else -1
+    return tf.reshape(t, [tf.shape(t)[0], steps, width])
+
+
+def _gram_sq_norm(a, g):
+    """``||sum_t a_t g_t^T||^2 = sum_ts (a_t . a_s)(g_t . g_s)`` for ``a [B,T,m]``, ``g [B,T,n]``."""
+    if a.shape[1] == 1:  # Goodfellow: ||a g^T||^2 = ||a||^2 ||g||^2
+        return tf.reduce_sum(tf.square(a[:, 0]), 1) * tf.reduce_sum(tf.square(g[:, 0]), 1)
+    return tf.reduce_sum(tf.einsum("bti,bsi->bts", a, a) * tf.einsum("btj,bsj->bts", g, g),
+                         axis=[1, 2])
+
+
+def _ghost_is_cheaper(steps, m, n):
+    """The mixed ghost-clipping rule (Bu et al. 2022): Gram form costs ~2 T^2 per example,
+    materialising costs m * n; ghost when ``2 T^2 <= m * n``."""
+    return steps is not None and 2 * steps * steps <= m * n
+
+
+def _sum_except(t, keep_axes):
+    """Sum ``t [B, ...]`` over every axis but 0 and ``keep_axes`` (positive, sorted)."""
+    axes = [i for i in range(1, t.shape.rank) if i not in keep_axes]
+    return tf.reduce_sum(t, axis=axes) if axes else t
+
+
+def _channels_last(t):
+    return tf.transpose(t, [0, *range(2, t.shape.rank), 1])
+
+
