@@ -216,7 +216,8 @@ def per_example_losses(model, loss_fn, x, y, training=False):
 
 def _densify(grads, variables, batch_shape=None):
     """Gradients as dense tensors in each variable's dtype; a variable the loss does not reach
-    gets zeros (``batch_shape + variable.shape``) and one warning, as in Keras's ``fit``."""
+    gets zeros (``batch_shape + variable.shape``) and one warning (Keras's ``fit`` likewise
+    warns, and skips such variables)."""
     layer_rules.warn_unreached([v for g, v in zip(grads, variables) if g is None])
     return [tf.zeros(v.shape if batch_shape is None else tf.concat([batch_shape, v.shape], 0),
                      v.dtype) if g is None

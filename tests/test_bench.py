@@ -97,7 +97,8 @@ def test_the_command_and_its_workloads_refuse_bad_input_in_process(tmp_path):
     from gradtut.bench.input_gradients import (make_batched_input_gradient,
                                                make_per_example_input_gradient, map_fn_timings,
                                                threading_timings)
-    from gradtut.bench.per_example import benchmark_dp_step, cnn, mlp, transformer
+    from gradtut.bench.per_example import (benchmark_dp_step, benchmark_keras_hub,
+                                           bert_classifier, cnn, mlp, transformer)
 
     with pytest.raises(SystemExit) as stop:
         main(["--sections", "nope"])
@@ -122,6 +123,12 @@ def test_the_command_and_its_workloads_refuse_bad_input_in_process(tmp_path):
         mlp(hidden=2.5)
     with pytest.raises(ValueError, match="width 30 does not split into 4 heads"):
         transformer(width=30, heads=4)
+    with pytest.raises(ValueError, match="hidden 127 does not split into 2 heads"):
+        bert_classifier(hidden=127)
+    with pytest.raises(ValueError, match="lora_rank must be a positive int"):
+        bert_classifier(lora_rank=0)
+    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+        benchmark_keras_hub(batch_size=0)
     with pytest.raises(TypeError, match="model must be a Keras model"):
         make_per_example_input_gradient(lambda x: x)
     with pytest.raises(TypeError, match="model must be a Keras model"):
@@ -133,3 +140,15 @@ def test_the_command_and_its_workloads_refuse_bad_input_in_process(tmp_path):
         map_fn_timings(model, [])
     with pytest.raises(ValueError, match="repeats must be a positive int"):
         threading_timings(repeats=0)
+
+
+def test_the_keras_hub_benchmark_times_each_method_against_its_own_batch_gradient():
+    from gradtut.bench.per_example import benchmark_keras_hub
+
+    rows = benchmark_keras_hub(lora_rank=2, batch_size=4, steps=8, repeats=1)
+    assert [r["method"] for r in rows] == ["batch gradient", "ghost norms", "clipped"]
+    assert rows[0]["ratio"] == 1.0 and all(r["median_ms"] > 0 and r["ratio"] > 0 for r in rows)
+    peaks = {r["method"]: r["peak_ratio"] for r in rows}
+    assert peaks["ghost norms"] is None
+    if peaks["clipped"] is not None:  # allocator statistics on (gradtut.setup() in conftest)
+        assert peaks["batch gradient"] == 1.0 and peaks["clipped"] > 0

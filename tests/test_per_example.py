@@ -67,7 +67,7 @@ def loop_by_hand(model, x, y):
         with tf.GradientTape() as tape:
             loss = LOSS(y[i:i + 1], model(xi))[0]
         rows.append(tape.gradient(loss, model.trainable_variables))
-    variables = model.trainable_variables  # a variable the loss does not reach: zero, as in fit
+    variables = model.trainable_variables  # a variable the loss does not reach: zero
     return [tf.stack([tf.zeros_like(v) if r[j] is None else tf.convert_to_tensor(r[j])
                       for r in rows]) for j, v in enumerate(variables)]
 
@@ -385,8 +385,8 @@ def _model_with_unused_head():
 
 @pytest.mark.parametrize("method", METHODS)
 def test_a_variable_the_loss_does_not_reach_gets_zero_and_one_warning(method):
-    """As Keras's fit does: zero gradient, a warning naming it, not a refusal; the other
-    variables still match the hand-written loop."""
+    """A zero per-example gradient and a warning naming it (Keras's fit warns too), not a
+    refusal; the other variables still match the hand-written loop."""
     model = _model_with_unused_head()
     x, y = np.random.default_rng(next(_seeds)).normal(size=(3, 4)).astype("float32"), np.array(
         [0, 1, 2])

@@ -5,7 +5,8 @@ Each section runs in a fresh Python process, because some need TensorFlow starte
 median over interleaved repeats and a ratio to a reference measured in the same process.
 
 - ``per_example`` (notebook 01): per-example gradient methods and ghost norms against one
-  batch gradient, on an MLP, and the one-pass methods on a CNN and a small transformer; a
+  batch gradient, on an MLP, and the one-pass methods on a CNN, a small transformer and a
+  KerasHub BERT (in full and with LoRA, with the clipped gradient's peak memory); a
   DP-SGD training step (``DPModel``) against a plain ``fit`` step on the MLP and the CNN;
 - ``input_gradients`` (02): per-example input gradients, single pass against ``map_fn``,
   ``vectorized_map`` and a loop;
@@ -44,7 +45,8 @@ def _default_device():
 def _per_example(quick):
     import gradtut
     gradtut.setup(seed=0)
-    from gradtut.bench.per_example import ALL, benchmark_dp_step, benchmark_per_example
+    from gradtut.bench.per_example import (ALL, benchmark_dp_step, benchmark_keras_hub,
+                                           benchmark_per_example)
 
     methods = ["vectorized", "outer", "ghost norms", "clipped"] if quick else list(ALL)
     rows = benchmark_per_example([256] if quick else [32, 256, 1024], methods,
@@ -59,6 +61,17 @@ def _per_example(quick):
         out += [_row(f"{model}: {r['method']}, batch {r['batch_size']}", r["median_ms"], "ms",
                      r["ratio"], "batch gradient") for r in rows
                 if r["method"] != "batch gradient"]
+    # A KerasHub BERT (2 layers, hidden 128, 64 tokens, batch 64), in full and with LoRA (rank
+    # 4): each against its own batch gradient, in time and in the allocator's peak.
+    for rank in (None, 4):
+        name = "bert" if rank is None else f"bert + LoRA {rank}"
+        rows = benchmark_keras_hub(rank, repeats=3 if quick else 7)
+        out += [_row(f"{name}: {r['method']}, batch 64", r["median_ms"], "ms", r["ratio"],
+                     "batch gradient") for r in rows if r["method"] != "batch gradient"]
+        clipped = next(r for r in rows if r["method"] == "clipped")
+        if clipped["peak_mb"] is not None:
+            out.append(_row(f"{name}: clipped, peak memory", clipped["peak_mb"], "MB",
+                            clipped["peak_ratio"], "batch gradient's peak"))
     for model in ("mlp", "cnn"):  # DP-SGD as a Keras user runs it: DPModel's step in fit
         r = benchmark_dp_step(model, repeats=5 if quick else 15)
         out.append(_row(f"{model}: DPModel training step, batch {r['batch_size']}",

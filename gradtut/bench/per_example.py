@@ -4,6 +4,8 @@ step (notebook 01, and the ``per_example`` section of ``python -m gradtut bench`
 Every figure is a median over ``repeats`` interleaved rounds, and every ratio is against the
 plain batch gradient (one backward pass of the mean loss) measured in the same rounds.
 """
+import warnings
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -199,3 +201,77 @@ def benchmark_dp_step(model="mlp", batch_size=256, repeats=7, noise_multiplier=1
             "reference_ms": timings[0].median_ms, "ratio": dp.ratio,
             "no_noise_ms": quiet.median_ms, "no_noise_ratio": quiet.ratio,
             "parameters": int(sum(np.prod(v.shape) for v in private.model.trainable_variables))}
+
+
+def bert_classifier(lora_rank=None, layers=2, hidden=128, steps=64, vocabulary=1000, classes=3,
+                    seed=0):
+    """KerasHub's ``BertBackbone`` from a config (random weights, nothing downloaded), mean over
+    tokens, ``Dense(classes)``; with ``lora_rank``, ``backbone.enable_lora(lora_rank)`` (Keras
+    LoRA on the attention's query and value, everything else in the backbone frozen).
+    Inputs: ``{"token_ids", "segment_ids", "padding_mask"}``, each ``[B, steps]`` int32.
+    Needs KerasHub (``pip install -r requirements-dev.txt``).
+
+    Raises:
+      ValueError: a size that is not a positive int, a ``seed`` that is not an int >= 0, or a
+        ``hidden`` that does not split into 2 heads.
+    """
+    import keras_hub  # pylint: disable=import-outside-toplevel
+
+    _check_sizes(layers=layers, hidden=hidden, steps=steps, vocabulary=vocabulary,
+                 classes=classes, seed=seed)
+    if lora_rank is not None:
+        check_int(lora_rank, "lora_rank")
+    if hidden % 2:
+        raise ValueError(f"hidden {hidden} does not split into 2 heads: choose an even hidden")
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=vocabulary, num_layers=layers, num_heads=2, hidden_dim=hidden,
+        intermediate_dim=4 * hidden, max_sequence_length=steps, dropout=0.0)
+    if lora_rank is not None:
+        backbone.enable_lora(lora_rank)
+    inputs = {name: keras.Input((steps,), dtype="int32", name=name)
+              for name in ("token_ids", "segment_ids", "padding_mask")}
+    pooled = keras.layers.GlobalAveragePooling1D()(backbone(inputs)["sequence_output"])
+    return keras.Model(inputs, keras.layers.Dense(classes)(pooled))
+
+
+def benchmark_keras_hub(lora_rank=None, batch_size=64, steps=64, repeats=7):
+    """The one-pass methods on :func:`bert_classifier` (2 layers, hidden 128) against the same
+    model's batch gradient, in interleaved rounds, and the allocator's peak memory of the
+    clipped gradient against the batch gradient's. With ``lora_rank`` every figure is the LoRA
+    model's, against the LoRA model's own batch gradient.
+
+    Returns:
+      list of dicts ``{"method", "median_ms", "ratio", "peak_mb", "peak_ratio"}`` for
+      ``"batch gradient"``, ``"ghost norms"`` and ``"clipped"`` (peaks for the batch gradient
+      and the clipped gradient only; None elsewhere). Peak memory needs allocator statistics
+      (``gradtut.setup()``); without them the peaks are None.
+
+    Raises:
+      ValueError: a size or count that is not a positive int.
+    """
+    from gradtut.measure import peak_memory_bytes  # pylint: disable=import-outside-toplevel
+
+    _check_sizes(batch_size=batch_size, steps=steps, repeats=repeats)
+    model = bert_classifier(lora_rank, steps=steps)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    batch_gradient = _batch_gradient_fn(model, loss_fn)
+    rng = np.random.default_rng(0)
+    x = {"token_ids": tf.constant(rng.integers(1, 1000, (batch_size, steps)), tf.int32),
+         "segment_ids": tf.constant(rng.integers(0, 2, (batch_size, steps)), tf.int32),
+         "padding_mask": tf.ones((batch_size, steps), tf.int32)}
+    y = tf.constant(rng.integers(0, 3, size=batch_size))
+    calls = {REFERENCE: lambda: batch_gradient(x, y),
+             "ghost norms": lambda: per_example_gradient_norms(model, loss_fn, x, y),
+             "clipped": lambda: clipped_gradient(model, loss_fn, x, y, l2_norm_clip=1.0)}
+    with warnings.catch_warnings():  # BERT's pooler is unreached under this head: zero, named once
+        warnings.filterwarnings("ignore", "the loss does not reach")
+        timings = compare_timings(calls, reference=REFERENCE, warmup=2, repeats=repeats)
+        try:
+            peaks = {name: peak_memory_bytes(calls[name]) / 1e6 for name in (REFERENCE, "clipped")}
+        except RuntimeError:
+            peaks = {}
+    return [{"method": t.name, "median_ms": t.median_ms, "ratio": t.ratio,
+             "peak_mb": peaks.get(t.name),
+             "peak_ratio": peaks[t.name] / peaks[REFERENCE] if t.name in peaks else None}
+            for t in timings]

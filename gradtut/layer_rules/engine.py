@@ -129,7 +129,7 @@ UNREACHED = set()  # ids of variables a traced call found unreached (per_example
 
 def warn_unreached(variables):
     """One warning naming the trainable variables the loss does not reach (their per-example
-    gradients are zero, as Keras's ``fit`` gives them a zero gradient).
+    gradients are zero; Keras's ``fit`` likewise warns, and skips such variables).
 
     Raises:
       TypeError: ``variables`` is not a list of Keras variables.
