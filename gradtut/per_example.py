@@ -14,15 +14,18 @@ Methods of :func:`per_example_gradients`:
 - ``"jacobian"``: ``tape.jacobian`` of the ``[B]`` loss vector.
 - ``"outer"``: one forward and one backward pass; each layer with a rule in
   :mod:`gradtut.layer_rules` (Dense, EinsumDense, Embedding, convolutions, normalisations)
-  turns its recorded inputs and output gradients into per-example gradients; the variables of
-  layers without a rule fall back to ``"vectorized"``. :func:`per_example_plan` shows which.
+  turns its recorded inputs and output gradients into per-example gradients; a layer without
+  a rule takes the layer-local path (:mod:`gradtut.layer_rules.local`: that layer alone,
+  vectorised, or looped over examples where vectorising it is unsafe). The whole model is
+  never vectorised. :func:`per_example_plan` shows which layer takes which path.
 
 The first four need nothing but this module. The one-pass methods (``"outer"``, ghost norms,
 :func:`clipped_gradient`) are valid because examples do not interact in the forward pass;
 models where they do (BatchNormalization in training mode) are refused. They also assume that
 a covered layer's variables are used only inside that layer's own calls (a layer called
-several times is fine). Weight tying that reads ``layer.kernel`` from somewhere else is not
-detected: check such a model once against ``method="loop"`` on a small batch.
+several times is fine, and a variable that two layers own, such as a tied table assigned to a
+second layer, gets the sum of both). A variable read outside every recorded call gets its
+per-example gradient from the Jacobian of the same pass (slow, but exact).
 
 Where TensorFlow itself computes a wrong answer, gradtut refuses with an error that names the
 workaround instead of returning it: see :func:`broadcast_matmul_hazards` (oneDNN) and grouped
@@ -47,7 +50,9 @@ NORM_METHODS = ("ghost",) + METHODS
 MAP_FN_PARALLEL_ITERATIONS = 8
 
 _cache = weakref.WeakKeyDictionary()  # model -> {key: tf.function}
-_TRACED_NORMS = {}  # id(layer) -> "ghost" or "materialised", as the last traced norm chose
+# layer -> "ghost" or "materialised", as the last traced norm chose (weak keys: a freed layer's
+# entry goes with it)
+_TRACED_NORMS = weakref.WeakKeyDictionary()
 
 
 # --------------------------------------------------------------------------- input checks
@@ -246,9 +251,9 @@ def _refuse_hazards():
             "TensorFlow's oneDNN kernel computes this broadcast batch matmul wrongly, or "
             f"corrupts memory (tensorflow/tensorflow#117700): {hazards[:3]}. gradtut refuses "
             "rather than return its numbers. Use per_example_gradients with method='loop' or "
-            "'map_fn', or the one-pass methods (outer, ghost norms, clipped_gradient) once a "
-            "rule covers the layer named above (per_example_plan shows which layers fall back "
-            "to vectorized_map); or start Python with TF_ENABLE_ONEDNN_OPTS=0.")
+            "'map_fn', or the one-pass methods (outer, ghost norms, clipped_gradient), which "
+            "never vectorise the whole model (per_example_plan shows each layer's path); or "
+            "start Python with TF_ENABLE_ONEDNN_OPTS=0.")
 
 
 def _checked_function(python_fn, **kwargs):
@@ -365,11 +370,9 @@ def _outer(model, loss_fn, x, y, training, variables):
         def outer(x, y):
             layers, losses, rest = _one_pass(model, loss_fn, x, y, training)
             found = {}
-            for layer, rule, pairs in layers:
-                found.update(layer_rules.per_example_of(layer, rule, pairs))
-            if rest:  # read outside their own layer's calls: the whole model, vectorised
-                found.update(zip(map(id, rest),
-                                 _vectorized_fn(model, loss_fn, training, rest)(x, y)))
+            for layer, rule, pairs in layers:  # a variable two units share: their sum
+                _accumulate(found, layer_rules.per_example_of(layer, rule, pairs))
+            _accumulate(found, {id(v): t for v, t in rest})
             batch = tf.shape(losses)[:1]
             return [tf.cast(found[id(v)], v.dtype) if id(v) in found
                     else tf.zeros(tf.concat([batch, v.shape], 0), v.dtype) for v in variables]
@@ -406,7 +409,7 @@ def per_example_gradients(model, loss_fn, x, y, method="vectorized", *, training
 
     Raises:
       ValueError: unknown method; a loss that reduces over the batch or does not return ``[B]``;
-        x and y with different or zero batch sizes; a variable with no gradient;
+        x and y with different or zero batch sizes;
         BatchNormalization in training mode; random layers (Dropout) in training mode under a
         method that would share one mask across the batch; grouped convolutions under
         ``"vectorized"`` or ``"jacobian"``; a graph that hits TensorFlow's oneDNN matmul bug
@@ -438,6 +441,22 @@ def _norms_from_grads(model, grads):
     return tf.sqrt(tf.add_n([tf.cast(layer_rules.squared_norms(g), dtype) for g in grads]))
 
 
+def _accumulate(found, grads):
+    """Add ``{id(variable): tensor}`` into ``found``: a variable that two units own (a tied
+    weight assigned as an attribute of a second layer) gets the sum of their parts."""
+    for key, t in grads.items():
+        found[key] = found[key] + t if key in found else t
+
+
+def _shared_variables(layers):
+    """ids of variables that more than one recorded unit covers."""
+    seen, shared = set(), set()
+    for layer, rule, _ in layers:
+        for v in rule.variables(layer):
+            (shared if id(v) in seen else seen).add(id(v))
+    return shared
+
+
 def _ghost_sq_norms_fn(model, loss_fn, training):
     """A function returning (recorded layers, materialised per-example gradients, ``[B]``
     squared norms, ``[B]`` losses), for use inside a tf.function. The materialised gradients
@@ -448,20 +467,20 @@ def _ghost_sq_norms_fn(model, loss_fn, training):
         layers, losses, rest = _one_pass(model, loss_fn, x, y, training)
         dtype = _norm_dtype(model)
         trainable = {id(v) for v in model.trainable_variables}
+        shared = _shared_variables(layers)  # their norms need the summed gradient
         parts, materialised = [], {}
         for layer, rule, pairs in layers:
-            sq = layer_rules.ghost_sq_norms_of(layer, rule, pairs, trainable)
-            _TRACED_NORMS[id(layer)] = "materialised" if sq is None else "ghost"
+            sq = (None if any(id(v) in shared for v in rule.variables(layer))
+                  else layer_rules.ghost_sq_norms_of(layer, rule, pairs, trainable))
+            _TRACED_NORMS[layer] = "materialised" if sq is None else "ghost"
             if sq is None:
-                grads = {k: t for k, t in layer_rules.per_example_of(layer, rule, pairs).items()
-                         if k in trainable}
-                materialised.update(grads)
-                sq = tf.add_n([layer_rules.squared_norms(t) for t in grads.values()])
-            parts.append(tf.cast(sq, dtype))
-        if rest:
-            rest_grads = _vectorized_fn(model, loss_fn, training, rest)(x, y)
-            materialised.update(zip(map(id, rest), rest_grads))
-            parts += [tf.cast(layer_rules.squared_norms(t), dtype) for t in rest_grads]
+                _accumulate(materialised, {
+                    k: t for k, t in layer_rules.per_example_of(layer, rule, pairs).items()
+                    if k in trainable})
+            else:
+                parts.append(tf.cast(sq, dtype))
+        _accumulate(materialised, {id(v): t for v, t in rest})
+        parts += [tf.cast(layer_rules.squared_norms(t), dtype) for t in materialised.values()]
         sq = tf.add_n(parts) if parts else tf.zeros(tf.shape(losses), dtype)
         return layers, materialised, sq, losses
 
@@ -476,8 +495,8 @@ def per_example_gradient_norms(model, loss_fn, x, y, method="ghost", *, training
       method: ``"ghost"`` (default) or any method of :func:`per_example_gradients`. ``"ghost"``
         runs one forward and one backward pass. Layers whose rule has a ghost form (Dense,
         Embedding, convolutions where the Gram matrix is cheaper) never materialise their
-        per-example gradients; other covered layers materialise theirs one layer at a time;
-        variables of layers without a rule are materialised with ``"vectorized"``.
+        per-example gradients; other covered layers, and layers without a rule (the
+        layer-local path), materialise theirs.
         :func:`per_example_plan` shows which layer does what.
 
     Returns:
@@ -787,8 +806,8 @@ def per_example_plan(model):
             norm = "zero (unreached)"
         elif isinstance(rule, layer_rules.LocalRule):
             norm = "materialised"
-        elif id(layer) in _TRACED_NORMS:
-            norm = _TRACED_NORMS[id(layer)]
+        elif layer in _TRACED_NORMS:
+            norm = _TRACED_NORMS[layer]
         else:
             shape = next(iter((getattr(layer, "_build_shapes_dict", None) or {}).values()), None)
             ghost = (shape is not None and rule.ghost(layer, tuple(shape))
@@ -797,7 +816,7 @@ def per_example_plan(model):
         if isinstance(rule, layer_rules.LocalRule):
             why = ("recurrent: its cell runs in a loop over time steps"
                    if isinstance(layer, keras.layers.RNN) else layer_rules.explain(layer)[1])
-            path, detail = layer_rules.LocalRule.paths.get(id(layer), (None, None))
+            path, detail = layer_rules.LocalRule.paths.get(layer, (None, None))
             if detail:
                 why = f"{why}; {detail}"
             name = f"layer-local: {path} ({why})" if path else f"layer-local ({why})"

@@ -294,12 +294,45 @@ def custom_block():
                             name="custom_block")
 
 
+class TiedHead(L.Layer):
+    """Logits from the first CLASSES rows of an Embedding's table, assigned as this layer's
+    own attribute: Keras tracks it as this layer's variable too, so two units own it."""
+
+    def __init__(self, embedding, **kwargs):
+        super().__init__(**kwargs)
+        self.table = embedding.embeddings
+
+    def call(self, h):
+        return tf.matmul(h, self.table[:CLASSES], transpose_b=True)
+
+
+def tied_head():
+    tokens = keras.Input((6,), dtype="int32")
+    embedding = L.Embedding(VOCAB, 5)
+    h = L.GlobalAveragePooling1D()(L.Dense(5, activation="tanh")(embedding(tokens)))
+    embedding.build((None, 6))
+    return keras.Model(tokens, TiedHead(embedding)(h), name="tied_head")
+
+
+def lora_unfrozen():
+    """LoRA, then the common freeze and unfreeze: Keras makes the frozen kernel trainable
+    again, and no rule covers it (it is read inside the LoRA layer's call)."""
+    dense = L.Dense(6, activation="tanh")
+    model = keras.Sequential([keras.Input((12,)), dense, L.Dense(CLASSES)], name="lora_unfrozen")
+    dense.enable_lora(2)
+    dense.lora_kernel_b.assign(np.random.default_rng(2).normal(
+        0, 0.3, dense.lora_kernel_b.shape).astype("float32"))
+    model.trainable = False
+    model.trainable = True
+    return model
+
+
 MODELS = {f.__name__: f for f in (
     mlp, two_inputs, cnn, grouped_conv, depthwise, conv1d, conv3d, wide_conv, layer_norm,
     group_norm,
     text, masked_text, attention, transformer, shared_dense, discarded_call, frozen,
     subclassed, no_rule, norm_variants, einsum_variants, lora_attention, lstm, gru,
-    bidirectional, unreached, custom_block)}
+    bidirectional, unreached, custom_block, tied_head, lora_unfrozen)}
 INPUT_SHAPES = {"mlp": (12,), "cnn": (8, 8, 1), "grouped_conv": (8, 8, 4),
                 "depthwise": (8, 8, 3), "conv1d": (10, 24), "conv3d": (4, 4, 4, 2), "wide_conv": (6, 6, 8),
                 "layer_norm": (12,), "group_norm": (6, 6, 2), "text": (6,), "masked_text": (6,),
@@ -307,7 +340,7 @@ INPUT_SHAPES = {"mlp": (12,), "cnn": (8, 8, 1), "grouped_conv": (8, 8, 4),
                 "discarded_call": (6,), "frozen": (12,), "subclassed": (12,), "no_rule": (12,),
                 "norm_variants": (4, 3), "einsum_variants": (6, 4), "lora_attention": (4, 8),
                 "lstm": (5, 3), "gru": (5, 3), "bidirectional": (5, 3), "unreached": (12,),
-                "custom_block": (4, 3)}
+                "custom_block": (4, 3), "lora_unfrozen": (12,)}
 
 
 def batch_for(name, batch_size, seed=0):
@@ -317,7 +350,7 @@ def batch_for(name, batch_size, seed=0):
     if name == "two_inputs":
         return [rng.normal(size=(batch_size, 5)).astype("float32"),
                 rng.normal(size=(batch_size, 3)).astype("float32")], y
-    if name in ("text", "masked_text"):
+    if name in ("text", "masked_text", "tied_head"):
         x = rng.integers(0, VOCAB, size=(batch_size, 6)).astype("int32")
         x[:, 3] = x[:, 0]  # repeated tokens exercise the embedding rule's cross terms
         if name == "masked_text":

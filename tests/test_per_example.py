@@ -772,3 +772,32 @@ def test_plan_rows_must_be_four_tuples():
         Plan([("dense", "Dense")])
     with pytest.raises(TypeError, match="Plan takes an iterable of .* rows, got int"):
         Plan(4)
+
+
+def test_a_lora_kernel_made_trainable_again_comes_from_the_same_pass_with_its_masks():
+    """After enable_lora, model.trainable = False then True makes Keras's frozen kernel
+    trainable again; no rule covers it, so its per-example gradient comes from the Jacobian of
+    the same recorded pass: with dropout in training mode, the same masks as the rules see."""
+    dense = keras.layers.Dense(6, activation="tanh")
+    model = keras.Sequential([keras.Input((5,)), dense, keras.layers.Dropout(0.4, name="drop"),
+                              keras.layers.Dense(3)])
+    dense.enable_lora(2)
+    dense.lora_kernel_b.assign(np.random.default_rng(3).normal(0, 0.3, (2, 6)).astype("float32"))
+    model.trainable = False
+    model.trainable = True
+    assert dense._kernel.trainable  # pylint: disable=protected-access
+    seeds = model.get_layer("drop").seed_generator.state
+    start = seeds.numpy()
+    x = np.random.default_rng(next(_seeds)).normal(size=(6, 5)).astype("float32")
+    y = np.array([0, 1, 2, 0, 1, 2])
+
+    def replay(fn):
+        seeds.assign(start)
+        return fn()
+
+    got = replay(lambda: per_example_gradients(model, LOSS, x, y, "outer", training=True))
+    ghost = replay(lambda: per_example_gradient_norms(model, LOSS, x, y, training=True))
+    expected = replay(lambda: per_example_gradients(model, LOSS, x, y, "jacobian", training=True))
+    assert_gradients_close(got, expected, **TOL)
+    assert_gradients_close(ghost, norms_of(expected), **TOL)
+    assert got[0].shape == (6, 5, 6)  # the kernel itself, not only its adapters

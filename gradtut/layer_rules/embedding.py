@@ -82,7 +82,10 @@ class ReversibleEmbeddingRule(LayerRule):
             z = tf.gather(layer.embeddings, ids)
             return tf.cast(z, layer.compute_dtype), (ids, None), z
         kernel = tf.transpose(layer.embeddings) if layer.tie_weights else layer.reverse_embeddings
-        dtype = layer.reverse_dtype or inputs.dtype
+        # As Keras's matmul: float16 inputs times the float32 table give float32 logits (the
+        # layer does not autocast), unless reverse_dtype says otherwise.
+        dtype = layer.reverse_dtype or keras.backend.result_type(inputs.dtype.name,
+                                                                 layer.embeddings.dtype)
         x = tf.cast(inputs, dtype)
         z = tf.reshape(tf.matmul(tf.reshape(x, [-1, x.shape[-1]]), tf.cast(kernel, dtype)),
                        tf.concat([tf.shape(x)[:-1], [layer.input_dim]], 0))
@@ -129,6 +132,24 @@ class ReversibleEmbeddingRule(LayerRule):
             return [table + tf.cast(reverse, table.dtype) if reverse is not None else table]
         untied = (tf.transpose(reverse, [0, 2, 1]) if reverse is not None
                   else tf.zeros(tf.stack([batch, width, vocab]), layer.reverse_embeddings.dtype))
+        return [table, tf.cast(untied, layer.reverse_embeddings.dtype)]
+
+    def weighted_sum(self, layer, a, g, weights):
+        """``sum_b w_b grad_b`` without the ``[B, V, d]`` per-example tables: the lookup's
+        weighted rows scattered into the table, plus ``x^T (w g_logits)`` for the projection."""
+        ids, g_ids, x, g_x = self._parts(layer, a, g)
+        vocab, width = layer.input_dim, layer.output_dim
+        table = tf.zeros([vocab, width], layer.embeddings.dtype)
+        if ids is not None:
+            table += tf.cast(tf.math.unsorted_segment_sum(
+                tf.reshape(g_ids * tf.cast(weights, g_ids.dtype)[:, None, None], [-1, width]),
+                tf.reshape(ids, [-1]), vocab), table.dtype)
+        reverse = (tf.einsum("bsi,bsv->vi", x, g_x * tf.cast(weights, g_x.dtype)[:, None, None])
+                   if x is not None else None)
+        if layer.tie_weights:
+            return [table + tf.cast(reverse, table.dtype) if reverse is not None else table]
+        untied = (tf.transpose(reverse) if reverse is not None
+                  else tf.zeros([width, vocab], layer.reverse_embeddings.dtype))
         return [table, tf.cast(untied, layer.reverse_embeddings.dtype)]
 
     def ghost(self, layer, input_shape):

@@ -2,6 +2,7 @@
 sections 6-7)."""
 import contextlib
 import warnings
+import weakref
 
 import keras
 import tensorflow as tf
@@ -124,7 +125,10 @@ def layer_paths(model):
     return paths
 
 
-UNREACHED = set()  # ids of variables a traced call found unreached (per_example_plan shows them)
+# id(variable) -> variable, for the variables the last traced call found unreached
+# (per_example_plan shows them). Weak values: an entry goes when its variable does, so a new
+# variable that reuses a freed one's id is never reported by mistake.
+UNREACHED = weakref.WeakValueDictionary()
 
 
 def warn_unreached(variables):
@@ -138,7 +142,7 @@ def warn_unreached(variables):
             isinstance(v, keras.Variable) for v in variables):
         raise TypeError(f"warn_unreached takes a list of Keras variables (model.trainable_"
                         f"variables), got {variables!r:.80}")
-    UNREACHED.update(id(v) for v in variables)
+    UNREACHED.update((id(v), v) for v in variables)
     if variables:
         warnings.warn(
             f"the loss does not reach {len(variables)} trainable variable(s): "
@@ -156,10 +160,13 @@ def one_pass(model, per_example_losses):
       entry per covered layer whose output reaches the loss, with ``g`` cast to the layer's
       variable dtype (a list of gradients, one per floating output, for a layer-local one);
       calls whose output does not reach the loss are dropped (they add nothing). ``rest``
-      lists the trainable variables that no recorded call covers but the loss still reaches
-      (a variable read outside its own layer's calls); the caller differentiates those
-      another way. Variables the loss does not reach at all get zero per-example gradients
-      and one warning (:func:`warn_unreached`).
+      is a list of ``(variable, [B, *variable.shape])`` for the trainable variables that no
+      recorded call covers but the loss still reaches (a variable read outside its own
+      layer's calls, or a LoRA layer's kernel made trainable again): their per-example
+      gradients come from the Jacobian of the losses on this same pass's tape, one backward
+      pass per example (slow, but the same forward pass: the same dropout masks, no second
+      run of the model). Variables the loss does not reach at all get zero per-example
+      gradients and one warning (:func:`warn_unreached`).
 
     Raises:
       TypeError: ``model`` is not a Keras model, or ``per_example_losses`` is not callable.
@@ -202,9 +209,17 @@ def one_pass(model, per_example_losses):
     covered = {id(v) for layer, rule, _ in layers for v in rule.variables(layer)}
     others = [v for v in model.trainable_variables if id(v) not in covered]
     reached = tape.gradient(total, others) if others else []
+    rest = [v for v, g in zip(others, reached) if g is not None]
+    # A while loop of backward passes, not pfor: vectorising the backward pass of the whole
+    # model is what hits tensorflow/tensorflow#117700.
+    jacobians = tape.jacobian(losses, rest, experimental_use_pfor=False) if rest else []
     del tape
+    unreached = {id(v) for v, g in zip(others, reached) if g is None}
+    for v in model.trainable_variables:  # reached in this pass: no longer reported unreached
+        if id(v) not in unreached:
+            UNREACHED.pop(id(v), None)
     warn_unreached([v for v, g in zip(others, reached) if g is None])
-    return layers, losses, [v for v, g in zip(others, reached) if g is not None]
+    return layers, losses, [(v, tf.convert_to_tensor(j)) for v, j in zip(rest, jacobians)]
 
 
 def _cast_floating(a, dtype):

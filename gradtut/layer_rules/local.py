@@ -16,11 +16,19 @@ examples, for that layer only. A layer that draws random numbers (dropout in tra
 inside its own computation is refused: re-running it would draw other numbers than the
 forward pass did.
 
+Which arguments of a call are per-example is read from their shapes: a tensor whose first
+axis has the batch size (or an unknown size) is sliced per example, anything else is passed
+whole. A non-batch tensor argument whose first axis happens to equal the batch size (a
+``[T, T]`` mask with ``B == T``) would be sliced wrongly: pass such constants as attributes of
+the layer, or give the layer a rule.
+
 Recurrent layers (``keras.layers.RNN`` and its subclasses ``SimpleRNN``, ``GRU``, ``LSTM``)
 are one unit with all their cell's variables, because the cell runs inside a loop over time
 steps whose tensors cannot be recorded one call at a time. This is the Opacus functorch
 fallback (``grad_sample/functorch.py``) in TensorFlow.
 """
+import weakref
+
 import keras
 import tensorflow as tf
 
@@ -127,7 +135,7 @@ class LocalRule(LayerRule):
     """
 
     name = "layer-local"
-    paths = {}  # id(layer) -> (path, why)
+    paths = weakref.WeakKeyDictionary()  # layer -> (path, why); a freed layer's entry goes
 
     def __init__(self, ruled_sublayers=()):
         pairs = list(ruled_sublayers) if isinstance(ruled_sublayers, (list, tuple)) else None
@@ -232,5 +240,5 @@ class LocalRule(LayerRule):
                 "than the forward pass did. Use training=False, set its dropout to 0, use "
                 "per_example_gradients with method='loop', 'map_fn' or 'jacobian', or register "
                 "a rule for the layer.")
-        LocalRule.paths[id(layer)] = (path, why)
+        LocalRule.paths[layer] = (path, why)
         return concrete(*elems)
