@@ -459,19 +459,26 @@ def test_dropout_in_a_vectorized_map_is_refused():
         per_example_gradients(dropout_model(), LOSS, x, y, "vectorized", training=True)
 
 
-def test_dropout_beside_a_layer_local_layer_reads_the_forward_masks():
-    """PReLU has no rule: its layer-local gradient re-runs PReLU alone, never the Dropout, so
-    'outer', ghost norms and the clipped gradient equal 'jacobian' on the same masks."""
-    model = dropout_model_with_fallback()
-    seeds = model.get_layer("drop").seed_generator.state
+def replayer(dropout):
+    """``replay(fn)``: run ``fn()`` with the Dropout layer's seed state reset to what it is now,
+    so every call draws the same masks."""
+    seeds = dropout.seed_generator.state
     start = seeds.numpy()
-    x = np.random.default_rng(next(_seeds)).normal(size=(6, 6)).astype("float32")
-    y = np.array([0, 1, 2, 0, 1, 2])
 
     def replay(fn):
         seeds.assign(start)
         return fn()
 
+    return replay
+
+
+def test_dropout_beside_a_layer_local_layer_reads_the_forward_masks():
+    """PReLU has no rule: its layer-local gradient re-runs PReLU alone, never the Dropout, so
+    'outer', ghost norms and the clipped gradient equal 'jacobian' on the same masks."""
+    model = dropout_model_with_fallback()
+    replay = replayer(model.get_layer("drop"))
+    x = np.random.default_rng(next(_seeds)).normal(size=(6, 6)).astype("float32")
+    y = np.array([0, 1, 2, 0, 1, 2])
     got = replay(lambda: per_example_gradients(model, LOSS, x, y, "outer", training=True))
     ghost = replay(lambda: per_example_gradient_norms(model, LOSS, x, y, training=True))
     clip = float(np.median(ghost))
@@ -510,15 +517,9 @@ def test_one_pass_methods_handle_dropout_when_no_layer_falls_back():
     """With the dropout mask replayed (same seed state), 'outer', ghost norms and the clipped
     gradient equal what 'jacobian' computes from the same single forward pass."""
     model = dropout_model()
-    seeds = model.get_layer("drop").seed_generator.state
-    start = seeds.numpy()
+    replay = replayer(model.get_layer("drop"))
     x, y = batch_for("mlp", 6)
     x = x[:, :6]
-
-    def replay(fn):
-        seeds.assign(start)
-        return fn()
-
     got = replay(lambda: per_example_gradients(model, LOSS, x, y, "outer", training=True))
     ghost = replay(lambda: per_example_gradient_norms(model, LOSS, x, y, training=True))
     expected = replay(lambda: per_example_gradients(model, LOSS, x, y, "jacobian", training=True))
@@ -786,15 +787,9 @@ def test_a_lora_kernel_made_trainable_again_comes_from_the_same_pass_with_its_ma
     model.trainable = False
     model.trainable = True
     assert dense._kernel.trainable  # pylint: disable=protected-access
-    seeds = model.get_layer("drop").seed_generator.state
-    start = seeds.numpy()
+    replay = replayer(model.get_layer("drop"))
     x = np.random.default_rng(next(_seeds)).normal(size=(6, 5)).astype("float32")
     y = np.array([0, 1, 2, 0, 1, 2])
-
-    def replay(fn):
-        seeds.assign(start)
-        return fn()
-
     got = replay(lambda: per_example_gradients(model, LOSS, x, y, "outer", training=True))
     ghost = replay(lambda: per_example_gradient_norms(model, LOSS, x, y, training=True))
     expected = replay(lambda: per_example_gradients(model, LOSS, x, y, "jacobian", training=True))
