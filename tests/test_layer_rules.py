@@ -511,3 +511,36 @@ def test_the_package_helpers_refuse_bad_arguments():
         random_ops(tf.function(lambda: 1))
     with pytest.raises(TypeError, match=r"class_path needs a class \(type\(layer\)\), got Dense"):
         class_path(dense)
+
+
+class _ReadsTheTable(keras.Model):
+    """An Embedding that is never called: its table is read directly (a unit's variable
+    outside its own calls), next to a Dense layer that is."""
+
+    def __init__(self):
+        super().__init__(name="reads_the_table")
+        self.table = keras.layers.Embedding(5, 3)
+        self.dense = keras.layers.Dense(3)
+
+    def build(self, input_shape):
+        self.table.build((None,))
+        self.dense.build(input_shape)
+
+    def call(self, x):
+        return self.dense(x) + tf.matmul(x, self.table.embeddings[:3])
+
+
+def test_a_variable_read_outside_its_uncalled_layer_comes_from_the_jacobian():
+    model = _ReadsTheTable()
+    x = np.random.default_rng(7).normal(size=(5, 3)).astype("float32")
+    y = np.array([0, 1, 2, 0, 1])
+    model(x)
+    layers, _, rest = one_pass(model, lambda: LOSS(y, model(x)))
+    assert [rule.name for _, rule, _ in layers] == ["dense"]
+    assert [v.path for v, _ in rest] == [model.table.embeddings.path]
+    got = per_example_gradients(model, LOSS, x, y, "outer")
+    norms = per_example_gradient_norms(model, LOSS, x, y)
+    expected = per_example_gradients(model, LOSS, x, y, "loop")
+    assert_gradients_close(got, expected, **TOL)
+    assert_gradients_close(norms, np.sqrt(sum(np.sum(np.square(g.numpy()), axis=tuple(
+        range(1, g.shape.rank))) for g in expected)), **TOL)
