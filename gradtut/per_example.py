@@ -782,45 +782,50 @@ def per_example_plan(model):
     check_keras_model(model)
     rows = Plan()
     units = {id(layer): rule for layer, rule in layer_rules.covered_layers(model)}
-    recurrent = [layer for layer in [model, *_layers(model)]
-                 if isinstance(layer, keras.layers.RNN)]
-    inside_rnn = {id(sub) for layer in recurrent
+    inside_rnn = {id(sub) for layer in [model, *_layers(model)] if layer_rules.is_recurrent(layer)
                   for sub in layer._flatten_layers(include_self=False)}  # pylint: disable=protected-access
-    unreached = layer_rules.engine.UNREACHED
     paths = layer_rules.layer_paths(model)
     for layer in [model, *_layers(model)]:
         if id(layer) in inside_rnn:
             continue
         rule = units.get(id(layer))
-        own = (rule.variables(layer) if rule is not None else owned_trainable(layer))
-        if not own:
-            if layer is not model and not isinstance(layer, keras.layers.RNN) and [
-                    v for v in layer.weights if id(v) not in {
-                        id(w) for sub in layer._flatten_layers(include_self=False)  # pylint: disable=protected-access
-                        for w in sub.weights}]:
-                rows.append((paths[id(layer)], type(layer).__name__, "no trainable variables",
-                             "-"))
-            continue
-        cls = type(layer).__name__
-        if all(id(v) in unreached for v in own):
-            norm = "zero (unreached)"
-        elif isinstance(rule, layer_rules.LocalRule):
-            norm = "materialised"
-        elif layer in _TRACED_NORMS:
-            norm = _TRACED_NORMS[layer]
-        else:
-            shape = next(iter((getattr(layer, "_build_shapes_dict", None) or {}).values()), None)
-            ghost = (shape is not None and rule.ghost(layer, tuple(shape))
-                     and all(v.trainable for v in rule.variables(layer)))
-            norm = "ghost" if ghost else "materialised"
-        if isinstance(rule, layer_rules.LocalRule):
-            why = ("recurrent: its cell runs in a loop over time steps"
-                   if isinstance(layer, keras.layers.RNN) else layer_rules.explain(layer)[1])
-            path, detail = layer_rules.LocalRule.paths.get(layer, (None, None))
-            if detail:
-                why = f"{why}; {detail}"
-            name = f"layer-local: {path} ({why})" if path else f"layer-local ({why})"
-        else:
-            name = rule.name
-        rows.append((paths[id(layer)], cls, name, norm))
+        own = rule.variables(layer) if rule is not None else owned_trainable(layer)
+        if own:
+            rows.append((paths[id(layer)], type(layer).__name__, _plan_rule_name(layer, rule),
+                         _plan_norm(layer, rule, own)))
+        elif layer is not model and not layer_rules.is_recurrent(layer) and _owns_weights(layer):
+            rows.append((paths[id(layer)], type(layer).__name__, "no trainable variables", "-"))
     return rows
+
+
+def _owns_weights(layer):
+    """Whether the layer holds variables of its own (frozen ones included), not only through
+    sub-layers (a Flatten, or a block made of sub-layers, has none)."""
+    inner = {id(w) for sub in layer._flatten_layers(include_self=False)  # pylint: disable=protected-access
+             for w in sub.weights}
+    return any(id(v) not in inner for v in layer.weights)
+
+
+def _plan_norm(layer, rule, own):
+    """The plan's norm column for a layer whose variables ``own`` train."""
+    if all(id(v) in layer_rules.engine.UNREACHED for v in own):
+        return "zero (unreached)"
+    if isinstance(rule, layer_rules.LocalRule):
+        return "materialised"
+    if layer in _TRACED_NORMS:  # what the last traced norm chose
+        return _TRACED_NORMS[layer]
+    shape = next(iter((getattr(layer, "_build_shapes_dict", None) or {}).values()), None)
+    ghost = (shape is not None and rule.ghost(layer, tuple(shape))
+             and all(v.trainable for v in rule.variables(layer)))
+    return "ghost" if ghost else "materialised"
+
+
+def _plan_rule_name(layer, rule):
+    """The plan's rule column: the rule's name, or the layer-local path and why."""
+    if not isinstance(rule, layer_rules.LocalRule):
+        return rule.name
+    why = ("recurrent: its cell runs in a loop over time steps"
+           if layer_rules.is_recurrent(layer) else layer_rules.explain(layer)[1])
+    path, detail = layer_rules.LocalRule.paths.get(layer, (None, None))
+    why = f"{why}; {detail}" if detail else why
+    return f"layer-local: {path} ({why})" if path else f"layer-local ({why})"

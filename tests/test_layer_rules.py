@@ -20,7 +20,7 @@ from gradtut.layer_rules import (DenseRule, EinsumDenseRule, EmbeddingRule, Grou
                                  per_example_of, recording, register_rule, registry_version,
                                  onednn_enabled, rule_for, squared_norms, unregister_rule,
                                  warn_unreached, weighted_sum_of)
-from gradtut.layer_rules.lora import equations
+from gradtut.layer_rules.lora import LoraCapable, equations
 from gradtut.per_example import (clipped_gradient, per_example_gradient_norms,
                                  per_example_gradients, per_example_plan)
 from model_zoo import LOSS
@@ -492,6 +492,8 @@ def test_the_package_helpers_refuse_bad_arguments():
         equations("bi,ij->bi")
     with pytest.raises(TypeError, match="LoraRule wraps the rule of a LoRA-capable layer"):
         LoraRule(EmbeddingRule())
+    with pytest.raises(TypeError, match="DenseRule.for_layer needs a Keras layer, got str"):
+        LoraCapable.for_layer(DenseRule(), "dense")
     with pytest.raises(TypeError, match=r"LocalRule takes the \(layer, rule\) pairs"):
         LocalRule([dense])
     with pytest.raises(TypeError, match="ReversibleEmbeddingRule is the rule for "

@@ -50,7 +50,7 @@ from gradtut.layer_rules.embedding import (EmbeddingRule, PositionEmbeddingRule,
 from gradtut.layer_rules.engine import (covered_layers, ghost_sq_norms_of, layer_paths, one_pass,
                                         per_example_of, recording, squared_norms,
                                         warn_unreached, weighted_sum_of)
-from gradtut.layer_rules.local import LocalRule, owned_trainable
+from gradtut.layer_rules.local import LocalRule, is_recurrent, owned_trainable
 from gradtut.layer_rules.lora import LoraRule
 from gradtut.layer_rules.normalization import (GroupNormalizationRule, LayerNormalizationRule,
                                                RMSNormalizationRule)
@@ -64,7 +64,7 @@ __all__ = [
     "GroupNormalizationRule", "LayerNormalizationRule", "LayerRule", "LocalRule", "LoraRule",
     "PositionEmbeddingRule", "RMSNormalizationRule", "ReversibleEmbeddingRule",
     "broadcast_matmul_hazards", "class_path", "conv_patches", "covered_layers", "explain",
-    "ghost_sq_norms_of", "is_broadcast_matmul_hazard", "layer_paths", "onednn_enabled", "one_pass",
+    "ghost_sq_norms_of", "is_broadcast_matmul_hazard", "is_recurrent", "layer_paths", "onednn_enabled", "one_pass",
     "owned_trainable", "per_example_of", "recording", "register_rule", "registry_version",
     "rule_for", "squared_norms", "unregister_rule", "warn_unreached", "weighted_sum_of",
 ]

@@ -4,20 +4,16 @@ import keras
 import tensorflow as tf
 
 from gradtut.layer_rules.common import _apply_activation, _ghost_is_cheaper, _gram_sq_norm, _rows
-from gradtut.layer_rules.lora import LoraRule
+from gradtut.layer_rules.lora import LoraCapable
 from gradtut.layer_rules.registry import LayerRule, register_rule
 
 
 @register_rule(keras.layers.Dense)
-class DenseRule(LayerRule):
+class DenseRule(LoraCapable, LayerRule):
     """``z = a @ kernel + bias`` on inputs of any rank ``[B, ..., d]``."""
 
     name = "dense"
     layer_class = keras.layers.Dense
-    supports_lora = True
-
-    def for_layer(self, layer):
-        return LoraRule(self) if getattr(layer, "lora_enabled", False) else self
 
     # How LoraRule sees this layer: an einsum over rows [B, T, d].
     def lora_einsum(self, layer):

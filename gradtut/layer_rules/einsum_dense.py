@@ -4,21 +4,17 @@ import tensorflow as tf
 
 from gradtut.layer_rules import einsum
 from gradtut.layer_rules.common import _apply_activation, _sum_except
-from gradtut.layer_rules.lora import LoraRule
+from gradtut.layer_rules.lora import LoraCapable
 from gradtut.layer_rules.registry import LayerRule, register_rule
 
 
 @register_rule(keras.layers.EinsumDense)
-class EinsumDenseRule(LayerRule):
+class EinsumDenseRule(LoraCapable, LayerRule):
     """``z = einsum(equation, a, kernel) + bias``; the attention projections are EinsumDense."""
 
     name = "einsum_dense"
     layer_class = keras.layers.EinsumDense
 
-    supports_lora = True
-
-    def for_layer(self, layer):
-        return LoraRule(self) if getattr(layer, "lora_enabled", False) else self
 
     def unsupported(self, layer):
         reason = super().unsupported(layer)

@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from gradtut.layer_rules import einsum
 from gradtut.layer_rules.common import _apply_activation
-from gradtut.layer_rules.registry import LayerRule
+from gradtut.layer_rules.registry import LayerRule, _check_layer
 
 
 def equations(equation):
@@ -125,3 +125,20 @@ class LoraRule(LayerRule):
         bias = self._bias_per_example(layer, g)
         return tf.add_n(parts + [tf.reduce_sum(tf.square(tf.reshape(t, [tf.shape(t)[0], -1])), 1)
                                  for t in bias])
+
+
+class LoraCapable:
+    """Mixin for the rule of a layer type with Keras LoRA (``Dense``, ``EinsumDense``): a layer
+    with LoRA enabled gets :class:`LoraRule` around this rule, which supplies ``lora_einsum``,
+    ``lora_input``, ``lora_output``, ``lora_grad`` and ``bias_per_example``."""
+
+    supports_lora = True
+
+    def for_layer(self, layer):
+        """This rule, or :class:`LoraRule` around it for a layer with LoRA enabled.
+
+        Raises:
+          TypeError: ``layer`` is not a Keras layer.
+        """
+        _check_layer(layer, f"{type(self).__name__}.for_layer")
+        return LoraRule(self) if getattr(layer, "lora_enabled", False) else self
