@@ -20,6 +20,7 @@ Example:
   >>> dp.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(
   ...     from_logits=True, reduction=None))
 """
+import collections
 import contextlib
 import functools
 import logging
@@ -28,6 +29,7 @@ import math
 import dp_accounting
 import keras
 import numpy as np
+import scipy.stats
 import tensorflow as tf
 from dp_accounting import pld, rdp
 
@@ -325,14 +327,16 @@ def _empty_outputs(model, loss_fn):
             tf.zeros([0, *shape[1:]], out_dtype))
 
 
-def _dp_gradients_fn(model, loss_fn, l2_norm_clip, noise_multiplier, expected_batch_size, seed):
+def _dp_gradients_fn(model, loss_fn, l2_norm_clip, std, expected_batch_size, seed,
+                     canaries=None):
     """``f(x, y, step) -> (gradients, per-example losses, predictions)`` for the calling
-    replica (or the only one): the clipped sum plus this replica's share of the noise, over
-    ``expected_batch_size``. The noise is drawn from ``(seed, step)``, identically on every
-    replica, and each replica adds ``1/R`` of it; the optimizer's sum over replicas then holds
-    the noise exactly once."""
+    replica (or the only one): the clipped sum plus this replica's share of the noise (std
+    ``std``), over ``expected_batch_size``. The noise is drawn from ``(seed, step)``,
+    identically on every replica, and each replica adds ``1/R`` of it; the optimizer's sum over
+    replicas then holds the noise exactly once. With ``canaries`` (a :class:`_Canaries`, one
+    replica only), the sampled canaries join the clipped sum before the noise, and the noisy
+    sum is scored for them."""
     clipped_sum = per_example.make_clipped_sum(model, loss_fn, training=True, with_outputs=True)
-    std = noise_multiplier * l2_norm_clip
 
     def gradients(x, y, step):
         replicas = tf.distribute.get_replica_context().num_replicas_in_sync
@@ -346,13 +350,19 @@ def _dp_gradients_fn(model, loss_fn, l2_norm_clip, noise_multiplier, expected_ba
                 tf.shape(tf.nest.flatten(x)[0])[0] > 0,
                 lambda: clipped_sum(x, y, l2_norm_clip),
                 lambda: ([tf.zeros_like(v) for v in model.trainable_variables], *empty))
-        grads = []
+        data_sums = sums
+        if canaries is not None:
+            sums = canaries.add(sums, step)
+        noisy = []
         for i, s in enumerate(sums):
             if std:
                 seed_i = tf.random.experimental.stateless_fold_in(tf.stack([seed, step]), i)
                 s = s + tf.random.stateless_normal(tf.shape(s), seed=seed_i,
                                                    stddev=std / replicas, dtype=s.dtype)
-            grads.append(s / tf.cast(expected_batch_size, s.dtype))
+            noisy.append(s)
+        if canaries is not None:
+            canaries.observe(noisy, data_sums)
+        grads = [s / tf.cast(expected_batch_size, s.dtype) for s in noisy]
         per_example._refuse_hazards()  # pylint: disable=protected-access
         return grads, losses, predictions
 
@@ -427,7 +437,7 @@ def make_dp_train_step(model, loss_fn, optimizer, l2_norm_clip, noise_multiplier
     with strategy.scope():
         counter = tf.Variable(0, dtype=tf.int64, trainable=False,
                               aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
-    gradients = _dp_gradients_fn(model, loss_fn, l2_norm_clip, noise_multiplier,
+    gradients = _dp_gradients_fn(model, loss_fn, l2_norm_clip, noise_multiplier * l2_norm_clip,
                                  expected_batch_size, tf.constant(seed, tf.int64))
 
     def replica_step(x, y, step):
@@ -454,6 +464,7 @@ def make_dp_train_step(model, loss_fn, optimizer, l2_norm_clip, noise_multiplier
     return step
 
 
+@keras.saving.register_keras_serializable(package="gradtut")
 class DPModel(keras.Model):
     """A ``keras.Model`` whose ``fit`` trains ``model`` with DP-SGD.
 
@@ -466,6 +477,12 @@ class DPModel(keras.Model):
     :func:`make_dp_train_step`: None for models you publish. The loss and metrics that
     ``fit`` reports are computed on the private batches and are not covered by epsilon.
     ``sample_weight``, ``class_weight`` and regularisation losses are refused.
+
+    It saves like any Keras model: ``save("m.keras")`` and ``keras.models.load_model`` (no
+    ``custom_objects`` once ``gradtut.privacy`` is imported) give back a ``DPModel`` with the
+    same weights, clip norm, noise multiplier, expected batch size, optimizer state and step
+    counter, so training resumes with the next step's noise. The seed is saved only if you
+    passed one; a model trained with ``seed=None`` draws a fresh seed when loaded.
 
     Raises:
       TypeError: ``model`` is not a Keras model.
@@ -494,7 +511,9 @@ class DPModel(keras.Model):
         self.noise_multiplier = noise_multiplier
         self.expected_batch_size = expected_batch_size
         self.seed = _seed(seed)
+        self._seed_given = seed is not None
         self._dp_gradients = None
+        self._per_example_loss = None
         # The noise of step t is drawn from (seed, t). The counter is a weight of this model:
         # created once (compiling again does not restart it, which would replay the noise),
         # saved and restored with the weights, and, created under a strategy's scope, one
@@ -502,18 +521,53 @@ class DPModel(keras.Model):
         self._dp_steps = self.add_weight(shape=(), dtype="int64", initializer="zeros",
                                          trainable=False, aggregation="only_first_replica",
                                          name="dp_steps")
+        self.built = self.model.built  # its weights exist now: nothing for build to create
 
     def call(self, inputs, training=False):
         return self.model(inputs, training=training)
+
+    def noise_stddev(self):
+        """The standard deviation of the Gaussian noise added to each step's clipped sum:
+        ``noise_multiplier * l2_norm_clip``. (A subclass that returns something else, e.g. 0
+        while still claiming ``noise_multiplier``, is the kind of bug :class:`CanaryAudit`
+        catches.)"""
+        return self.noise_multiplier * self.l2_norm_clip
+
+    def get_config(self):
+        config = {"name": self.name, "trainable": self.trainable,
+                  "model": keras.saving.serialize_keras_object(self.model),
+                  "l2_norm_clip": self.l2_norm_clip, "noise_multiplier": self.noise_multiplier,
+                  "expected_batch_size": self.expected_batch_size}
+        if self._seed_given:  # a seed drawn from entropy stays secret: never written
+            config["seed"] = self.seed
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        if "model" not in config:
+            raise ValueError("this DPModel config has no 'model' entry; it was not written by "
+                             "DPModel.get_config. Save the model with DPModel.save('m.keras')")
+        model = keras.saving.deserialize_keras_object(config.pop("model"),
+                                                      custom_objects=custom_objects)
+        return cls(model, **config)
+
+    def compile_from_config(self, config):
+        # Keras skips a custom compile when loading; this one only adds checks, so run it.
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        self.optimizer.build(self.model.trainable_variables)  # so its saved state can load
+
+    def _build_dp_gradients(self, canaries=None):
+        self._dp_gradients = _dp_gradients_fn(
+            self.model, self._per_example_loss, self.l2_norm_clip, self.noise_stddev(),
+            self.expected_batch_size, tf.constant(self.seed, tf.int64), canaries)
 
     def compile(self, optimizer="rmsprop", loss=None, **kwargs):  # pylint: disable=arguments-differ
         _check_training(self.model, loss, self.l2_norm_clip, self.noise_multiplier,
                         self.expected_batch_size, loss_name="loss")
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
         self._per_example_loss = loss
-        self._dp_gradients = _dp_gradients_fn(
-            self.model, loss, self.l2_norm_clip, self.noise_multiplier,
-            self.expected_batch_size, tf.constant(self.seed, tf.int64))
+        self._build_dp_gradients()
 
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -531,3 +585,439 @@ class DPModel(keras.Model):
             if metric.name == "loss":  # batches vary in size: weight each by its examples
                 metric.update_state(mean_loss, sample_weight=tf.cast(tf.size(losses), tf.float32))
         return self.compute_metrics(x, y, y_pred, None)
+
+
+# ------------------------------------------------------------------------ epsilon during fit
+
+
+def _check_target(target_epsilon):
+    if target_epsilon is None:
+        return None
+    target_epsilon = check_real(target_epsilon, "target_epsilon")
+    if not target_epsilon > 0:
+        raise ValueError(f"target_epsilon must be > 0, got {target_epsilon!r} (or None to only "
+                         "log epsilon)")
+    return target_epsilon
+
+
+def _check_dp_model(model, who):
+    if not isinstance(model, DPModel):
+        raise TypeError(f"{who} works with a gradtut.privacy.DPModel, got "
+                        f"{type(model).__name__}: wrap your model, DPModel(model, l2_norm_clip, "
+                        "noise_multiplier, expected_batch_size), and fit that")
+
+
+def _last_step_within(epsilon_at, target, limit=2**40):
+    """The largest step count whose epsilon is at most ``target`` (epsilon grows with the
+    step count); ``limit`` where even that many steps stay within it."""
+    if epsilon_at(1) > target:
+        return 0
+    low, high = 1, 2
+    while high < limit and epsilon_at(high) <= target:
+        low, high = high, 2 * high
+    if high >= limit:
+        return limit
+    while high - low > 1:  # epsilon_at(low) <= target < epsilon_at(high)
+        middle = (low + high) // 2
+        low, high = (middle, high) if epsilon_at(middle) <= target else (low, middle)
+    return low
+
+
+class PrivacyBudget(keras.callbacks.Callback):
+    """Logs the epsilon spent so far after every epoch of ``DPModel.fit``, and with
+    ``target_epsilon`` stops training before the step that would exceed it.
+
+    Epsilon is :func:`epsilon` at the model's own DP step counter (all steps it has taken, over
+    every ``fit`` call and across saving), its ``noise_multiplier``, this ``sample_rate`` and
+    ``delta``. It appears as ``logs["epsilon"]`` and in ``history.history["epsilon"]``, and as
+    ``budget.epsilon``. With a target, training stops after the last step whose epsilon is at
+    most the target, so the last logged epsilon never exceeds it; a model that has already
+    spent the budget is refused before it takes a step.
+
+    Args:
+      sample_rate: q in (0, 1], the Poisson sampling rate of the batches fed to ``fit``.
+      delta: in (0, 1).
+      target_epsilon: None (only log), or a number > 0.
+      accountant: ``"rdp"`` or ``"pld"``, as :func:`epsilon`.
+      num_examples: the size of the private data set, if you want ``sample_rate`` checked:
+        ``sample_rate * num_examples`` must round to the model's ``expected_batch_size``.
+
+    Raises:
+      ValueError: an argument out of range (as :func:`epsilon`; ``target_epsilon`` <= 0), a
+        ``sample_rate`` that does not match ``expected_batch_size / num_examples``, or a
+        budget already spent when ``fit`` starts.
+      TypeError: ``fit`` of a model that is not a :class:`DPModel`.
+
+    Example:
+      >>> budget = PrivacyBudget(sample_rate=64 / 1500, delta=1e-5, target_epsilon=3.0)
+      >>> history = dp.fit(batches, callbacks=[budget])  # doctest: +SKIP
+      >>> history.history["epsilon"]  # one per epoch  # doctest: +SKIP
+    """
+
+    def __init__(self, sample_rate, delta, target_epsilon=None, accountant="rdp", *,
+                 num_examples=None):
+        super().__init__()
+        self.sample_rate, _, self.delta = _check_accounting(sample_rate, 1, delta, accountant)
+        self.accountant = accountant
+        self.target_epsilon = _check_target(target_epsilon)
+        self.num_examples = None if num_examples is None else check_int(num_examples,
+                                                                         "num_examples")
+        self.epsilon = None
+        self.last_step = None
+
+    def steps(self):
+        """The DP steps the model has taken (its counter, saved with it)."""
+        return int(self.model._dp_steps.numpy())  # pylint: disable=protected-access
+
+    def epsilon_at(self, steps):
+        """Epsilon after ``steps`` steps of this model's noise at this sample rate (0 for 0)."""
+        if steps == 0:
+            return 0.0
+        return epsilon(self.model.noise_multiplier, self.sample_rate, steps, self.delta,
+                       self.accountant)
+
+    def on_train_begin(self, logs=None):
+        _check_dp_model(self.model, "PrivacyBudget")
+        batch = self.model.expected_batch_size
+        if self.num_examples is not None and abs(self.sample_rate * self.num_examples
+                                                 - batch) >= 1:
+            raise ValueError(
+                f"sample_rate {self.sample_rate:g} does not match the model: its "
+                f"expected_batch_size {batch} over {self.num_examples} examples is "
+                f"{batch / self.num_examples:g}. Epsilon would be computed for batches the "
+                "model does not take: pass sample_rate = expected_batch_size / num_examples")
+        self.last_step = None
+        if self.target_epsilon is not None and not self.model.noise_multiplier > 0:
+            raise ValueError("noise_multiplier 0 gives epsilon = inf: no step fits a "
+                             "target_epsilon. Train with noise, or drop the target")
+        if self.target_epsilon is not None:
+            self.last_step = _last_step_within(self.epsilon_at, self.target_epsilon)
+            done = self.steps()
+            if done >= self.last_step:
+                raise ValueError(
+                    f"the privacy budget is spent: after {done} steps one more would give "
+                    f"epsilon {self.epsilon_at(done + 1):.3g} > target_epsilon "
+                    f"{self.target_epsilon:g}. Stop training, or set a larger target (the "
+                    "guarantee then is the larger epsilon)")
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.last_step is not None:
+            per_call = int(getattr(self.model, "steps_per_execution", 1) or 1)
+            if self.steps() + per_call > self.last_step:
+                self.model.stop_training = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epsilon = self.epsilon_at(self.steps())
+        if logs is not None:
+            logs["epsilon"] = self.epsilon
+
+
+# --------------------------------------------------------------------- a one-run privacy audit
+
+MIN_CANARIES = 100  # below this no guess count gives a bound worth reporting
+
+
+def _binomial_tail_and_window(guesses, correct, p):
+    """``P[Bin(r, p) >= v]`` and ``max_{i=1..v} P[v - i <= Bin(r, p) < v] / i``."""
+    tail = float(scipy.stats.binom.sf(correct - 1, guesses, p))
+    if correct == 0:
+        return tail, 0.0
+    below = scipy.stats.binom.pmf(np.arange(correct - 1, -1, -1), guesses, p)  # v-1, ..., 0
+    window = float(np.max(np.cumsum(below) / np.arange(1, correct + 1)))
+    return tail, window
+
+
+def audit_p_value(epsilon_value, guesses, correct, canaries, delta=0.0):
+    """The probability that an (epsilon, delta)-DP training run lets an auditor make at least
+    ``correct`` right guesses out of ``guesses``, when each of ``canaries`` canaries was
+    included independently with probability 1/2 (Steinke, Nasr and Jagielski 2023, "Privacy
+    Auditing with One (1) Training Run", Theorem 5.2):
+
+    ``P[Bin(r, p) >= v] + 2 m delta max_{i=1..v} P[v - i <= Bin(r, p) < v] / i``,
+    with ``p = e^eps / (1 + e^eps)``, capped at 1.
+
+    Raises:
+      ValueError: ``epsilon_value`` not a number >= 0, and as :func:`epsilon_lower_bound`.
+
+    Example:
+      >>> round(audit_p_value(1.0, guesses=100, correct=80, canaries=1000), 3)
+      0.072
+    """
+    epsilon_value = check_real(epsilon_value, "epsilon_value")
+    if not epsilon_value >= 0:
+        raise ValueError(f"epsilon_value must be >= 0, got {epsilon_value!r}")
+    guesses, correct, canaries, delta, _ = _check_audit_counts(guesses, correct, canaries,
+                                                               delta, 0.5)
+    return _p_value(epsilon_value, guesses, correct, canaries, delta)
+
+
+def _p_value(epsilon_value, guesses, correct, canaries, delta):
+    p = 1.0 / (1.0 + math.exp(-epsilon_value))
+    tail, window = _binomial_tail_and_window(guesses, correct, p)
+    return min(1.0, tail + 2 * canaries * delta * window)
+
+
+def _check_audit_counts(guesses, correct, canaries, delta, confidence):
+    canaries = check_int(canaries, "canaries")
+    guesses = check_int(guesses, "guesses", minimum=0)
+    correct = check_int(correct, "correct", minimum=0)
+    if not correct <= guesses <= canaries:
+        raise ValueError(f"need correct <= guesses <= canaries, got {correct}, {guesses}, "
+                         f"{canaries}: the auditor guesses at most once per canary")
+    delta = check_real(delta, "delta")
+    if not 0 <= delta < 1:
+        raise ValueError(f"delta must be in [0, 1), got {delta!r}: the delta of the guarantee "
+                         "you are testing, e.g. 1e-5")
+    confidence = check_real(confidence, "confidence")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}, e.g. 0.95")
+    return guesses, correct, canaries, delta, confidence
+
+
+def epsilon_lower_bound(guesses, correct, canaries, delta=0.0, confidence=0.95):
+    """The epsilon a one-run audit proves: with probability ``confidence``, a training run that
+    lets an auditor get ``correct`` of ``guesses`` in/out guesses right about ``canaries``
+    canaries (each included with probability 1/2) is **not** (epsilon, delta)-DP for any
+    epsilon below this. 0 when the guesses prove nothing.
+
+    It is the largest epsilon whose :func:`audit_p_value` is below ``1 - confidence``. With
+    every guess right and ``delta = 0`` it is ``logit((1 - confidence) ** (1 / guesses))``,
+    about ``log(guesses / 3)`` at 95%: a one-run audit cannot prove more than that, however
+    broken the run.
+
+    Args:
+      guesses: r, the canaries the auditor guessed on (the rest it abstained on).
+      correct: v, the right guesses.
+      canaries: m, the canaries inserted.
+      delta: the delta of the guarantee being tested.
+      confidence: in (0, 1).
+
+    Returns:
+      float epsilon >= 0.
+
+    Raises:
+      ValueError: counts that are not ints with ``correct <= guesses <= canaries``, delta
+        outside [0, 1), confidence outside (0, 1).
+
+    Example:
+      >>> round(epsilon_lower_bound(100, 100, 1000), 2)  # every guess right
+      3.49
+      >>> epsilon_lower_bound(100, 50, 1000)  # a coin toss proves nothing
+      0.0
+    """
+    guesses, correct, canaries, delta, confidence = _check_audit_counts(
+        guesses, correct, canaries, delta, confidence)
+    beta = 1.0 - confidence
+    if guesses == 0 or _p_value(0.0, guesses, correct, canaries, delta) >= beta:
+        return 0.0
+    low, high = 0.0, 1.0  # p_value(low) < beta <= p_value(high)
+    while _p_value(high, guesses, correct, canaries, delta) < beta:
+        low, high = high, 2 * high
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = ((middle, high) if _p_value(middle, guesses, correct, canaries, delta)
+                     < beta else (low, middle))
+    return low
+
+
+class _AuditResult(collections.namedtuple(
+        "AuditResult", "epsilon canaries guesses correct delta confidence")):
+    """What a one-run audit found: ``epsilon``, the lower bound, from ``correct`` right of
+    ``guesses`` guesses on ``canaries`` canaries, at ``delta`` and ``confidence``."""
+
+    def __str__(self):
+        return (f"audited epsilon >= {self.epsilon:.2f} ({self.correct} of {self.guesses} "
+                f"guesses right on {self.canaries} canaries; {self.confidence:.0%} confidence, "
+                f"delta = {self.delta:g})")
+
+
+def audit_from_scores(scores, included, delta, confidence=0.95, guesses=None):
+    """Guess in/out from canary scores and bound epsilon: guess "in" for the ``guesses // 2``
+    highest scores and "out" for the ``guesses - guesses // 2`` lowest, abstain on the rest,
+    count the right guesses, and return :func:`epsilon_lower_bound`.
+
+    Fix ``guesses`` before looking at the outcome: choosing it after seeing which guesses were
+    right would void the confidence.
+
+    Args:
+      scores: ``[m]`` floats, higher meaning "more likely included".
+      included: ``[m]`` bools, the truth (each drawn with probability 1/2).
+      delta, confidence: as :func:`epsilon_lower_bound`.
+      guesses: how many canaries to guess on; None guesses on a fifth of them.
+
+    Returns:
+      a named tuple ``(epsilon, canaries, guesses, correct, delta, confidence)``.
+
+    Raises:
+      ValueError: scores and included of different lengths or not 1-D, fewer than
+        ``MIN_CANARIES`` canaries, non-finite scores, ``guesses`` outside [2, m], and as
+        :func:`epsilon_lower_bound`.
+
+    Example:
+      >>> rng = np.random.default_rng(0)
+      >>> included = rng.random(1000) < 0.5
+      >>> str(audit_from_scores(included + rng.normal(size=1000), included, delta=1e-5))
+      'audited epsilon >= 1.62 (176 of 200 guesses right on 1000 canaries; 95% confidence, delta = 1e-05)'
+    """
+    scores = np.asarray(scores, dtype=np.float64)
+    included = np.asarray(included)
+    if scores.ndim != 1 or included.shape != scores.shape:
+        raise ValueError(f"scores and included must be 1-D and of the same length, got shapes "
+                         f"{scores.shape} and {included.shape}: one score per canary")
+    canaries = len(scores)
+    if canaries < MIN_CANARIES:
+        raise ValueError(f"{canaries} canaries are too few for a bound worth reporting: use at "
+                         f"least {MIN_CANARIES} (about 1,000 is common)")
+    if not np.all(np.isfinite(scores)):
+        raise ValueError("some canary scores are not finite (NaN or inf): the training run "
+                         "diverged, or the scores were computed wrongly")
+    guesses = max(2, canaries // 5) if guesses is None else check_int(guesses, "guesses")
+    if not 2 <= guesses <= canaries:
+        raise ValueError(f"guesses must be between 2 and the {canaries} canaries, got {guesses}")
+    order = np.argsort(scores, kind="stable")
+    out, inside = order[:guesses - guesses // 2], order[canaries - guesses // 2:]
+    correct = int(np.sum(included[inside]) + np.sum(~included[out].astype(bool)))
+    bound = epsilon_lower_bound(guesses, correct, canaries, delta, confidence)
+    return _AuditResult(bound, canaries, guesses, correct, delta, confidence)
+
+
+class _Canaries:
+    """``count`` Dirac canaries over ``variables``: canary i is the gradient ``C e_k`` on one
+    parameter k of its own (no two share one). Each is included with probability 1/2; an
+    included canary joins a step's clipped sum with probability ``sample_rate``, like an
+    example under Poisson sampling. ``observe`` scores every canary on the step's noisy sum with
+    the log-likelihood ratio of "sampled at rate q" against "absent" for Gaussian noise of the
+    *claimed* std ``sigma * C``: ``log(1 - q + q exp(mu x - mu^2 / 2))``, ``x`` the noisy
+    coordinate over ``sigma * C`` and ``mu = 1 / sigma``."""
+
+    def __init__(self, variables, count, sample_rate, clip, noise_multiplier, seed):
+        rng = np.random.default_rng(seed)
+        sizes = [int(np.prod(v.shape)) for v in variables]
+        coordinates = np.sort(rng.choice(sum(sizes), size=count, replace=False))
+        self.included = rng.random(count) < 0.5
+        self.seed = tf.constant(rng.integers(2**31), tf.int64)
+        ends = np.cumsum(sizes)
+        owner = np.searchsorted(ends, coordinates, side="right")
+        self.parts = []  # per variable: (which canaries, their flat index in it)
+        for j, end in enumerate(ends):
+            mine = np.nonzero(owner == j)[0]
+            self.parts.append((tf.constant(mine[:, None], tf.int32),
+                               tf.constant((coordinates[mine] - (end - sizes[j]))[:, None],
+                                           tf.int64)))
+        self.count, self.rate, self.clip = count, sample_rate, clip
+        self.mu = 1.0 / noise_multiplier
+        self.scores = tf.Variable(tf.zeros([count], tf.float32), trainable=False)
+
+    def add(self, sums, step):
+        draw = tf.random.stateless_uniform([self.count], tf.stack([self.seed, step]))
+        sampled = tf.logical_and(draw < self.rate, tf.constant(self.included))
+        out = []
+        for s, (which, where) in zip(sums, self.parts):
+            values = tf.gather_nd(tf.cast(sampled, s.dtype), which) * self.clip
+            flat = tf.tensor_scatter_nd_add(tf.reshape(s, [-1]), where, values)
+            out.append(tf.reshape(flat, tf.shape(s)))
+        return out
+
+    def observe(self, noisy, data):
+        """Score on ``noisy - data`` at each canary's parameter: what the step released, less
+        the clipped sum of the real examples. DP assumes an adversary who knows every other
+        example, so an auditor may subtract their part; without it, the data's own gradient
+        on a canary's parameter would drown the canary."""
+        x = tf.zeros([self.count], tf.float32)
+        for s, d, (which, where) in zip(noisy, data, self.parts):
+            values = tf.gather_nd(tf.reshape(s - d, [-1]), where)
+            x += tf.scatter_nd(which, tf.cast(values, tf.float32), [self.count])
+        z = self.mu * (x * self.mu / self.clip) - self.mu**2 / 2  # x * mu / C = x / (sigma C)
+        absent = tf.fill([self.count], float(np.log1p(-self.rate)) if self.rate < 1 else -np.inf)
+        self.scores.assign_add(tf.reduce_logsumexp(
+            tf.stack([absent, float(np.log(self.rate)) + z]), axis=0))
+
+
+class CanaryAudit(keras.callbacks.Callback):
+    """A one-run privacy audit of ``DPModel.fit`` (Steinke, Nasr and Jagielski 2023): insert
+    ``canaries`` canary gradients, each included with probability 1/2, score them on every
+    step's noisy gradient, and after training bound epsilon from below.
+
+    White-box: the auditor sees every noisy step, as the accountant's guarantee allows. Canary i
+    is a gradient of norm ``l2_norm_clip`` on one parameter of its own; an included canary
+    joins each step's clipped sum with probability ``sample_rate``, exactly as an example does
+    under Poisson sampling, so a correct DP-SGD run is (epsilon, delta)-DP for each canary with
+    the accountant's epsilon, and the audited bound stays at or below it with probability
+    ``confidence``. A bound **above** the accountant's epsilon means the run is not as private
+    as claimed (noise missing or too small). The reverse does not hold: one-run audits are
+    loose, and a bound far below epsilon is normal.
+
+    The canaries move the model (each adds up to ``l2_norm_clip / expected_batch_size`` per
+    step to its parameter): audit a run made for auditing, not the model you ship. One ``fit``
+    is one audited run; the result is in ``audit.result`` (a named tuple ``(epsilon, canaries, guesses, correct, delta, confidence)``) after it.
+
+    Args:
+      canaries: how many (at least ``MIN_CANARIES``; at most the number of trainable
+        parameters and the number of examples, ``expected_batch_size / sample_rate``).
+      sample_rate: the Poisson sampling rate of the batches fed to ``fit``.
+      delta: the delta of the guarantee being tested.
+      confidence: in (0, 1).
+      guesses: as :func:`audit_from_scores`.
+      seed: int for repeatable canaries; None draws fresh ones.
+
+    Raises:
+      ValueError: bad arguments, ``noise_multiplier`` 0 (it claims no privacy: nothing to
+        audit), more canaries than parameters or examples, or more than one replica.
+      TypeError: ``fit`` of a model that is not a :class:`DPModel`.
+
+    Example:
+      >>> audit = CanaryAudit(1000, sample_rate=64 / 1500, delta=1e-5, seed=0)
+      >>> dp.fit(batches, callbacks=[audit])  # doctest: +SKIP
+      >>> print(audit.result)  # doctest: +SKIP
+    """
+
+    def __init__(self, canaries, sample_rate, delta, confidence=0.95, guesses=None, seed=None):
+        super().__init__()
+        self.canaries = check_int(canaries, "canaries")
+        if self.canaries < MIN_CANARIES:
+            raise ValueError(f"{self.canaries} canaries are too few for a bound worth "
+                             f"reporting: use at least {MIN_CANARIES} (about 1,000 is common)")
+        self.sample_rate = _check_sample_rate(sample_rate)
+        _check_audit_counts(0, 0, self.canaries, delta, confidence)
+        self.delta, self.confidence = float(delta), float(confidence)
+        if guesses is not None and not 2 <= check_int(guesses, "guesses") <= self.canaries:
+            raise ValueError(f"guesses must be between 2 and the {self.canaries} canaries, "
+                             f"got {guesses}")
+        self.guesses = guesses
+        self.seed = check_seed(seed)
+        self.result = None
+        self._state = None
+
+    def _check(self, model):
+        _check_dp_model(model, "CanaryAudit")
+        if not model.noise_multiplier > 0:
+            raise ValueError("noise_multiplier is 0: the model claims no privacy (epsilon is "
+                             "infinite), so there is nothing to audit")
+        if tf.distribute.get_strategy().num_replicas_in_sync > 1:
+            raise ValueError("CanaryAudit runs on one replica: fit the audit run outside a "
+                             "distribution strategy's scope")
+        parameters = sum(int(np.prod(v.shape)) for v in model.model.trainable_variables)
+        examples = round(model.expected_batch_size / self.sample_rate)
+        for limit, what in ((parameters, "trainable parameters"), (examples, "examples "
+                            "(expected_batch_size / sample_rate)")):
+            if self.canaries > limit:
+                raise ValueError(f"{self.canaries} canaries but only {limit} {what}: use at "
+                                 f"most {limit} canaries")
+
+    def on_train_begin(self, logs=None):
+        model = self.model
+        self._check(model)
+        self._state = _Canaries(model.model.trainable_variables, self.canaries,
+                                self.sample_rate, model.l2_norm_clip, model.noise_multiplier,
+                                self.seed)
+        model._build_dp_gradients(self._state)  # pylint: disable=protected-access
+        model.make_train_function(force=True)
+        self.result = None
+
+    def on_train_end(self, logs=None):
+        model, state = self.model, self._state
+        self.result = audit_from_scores(state.scores.numpy(), state.included, self.delta,
+                                        self.confidence, self.guesses)
+        model._build_dp_gradients()  # pylint: disable=protected-access
+        model.make_train_function(force=True)
+        self._state = None
