@@ -526,6 +526,12 @@ class DPModel(keras.Model):
     def call(self, inputs, training=False):
         return self.model(inputs, training=training)
 
+    @property
+    def dp_steps(self):
+        """The DP-SGD steps this model has taken, over every ``fit`` (saved with it; step t's
+        noise is drawn from ``(seed, t)``)."""
+        return int(self._dp_steps.numpy())
+
     def noise_stddev(self):
         """The standard deviation of the Gaussian noise added to each step's clipped sum:
         ``noise_multiplier * l2_norm_clip``. (A subclass that returns something else, e.g. 0
@@ -667,7 +673,7 @@ class PrivacyBudget(keras.callbacks.Callback):
 
     def steps(self):
         """The DP steps the model has taken (its counter, saved with it)."""
-        return int(self.model._dp_steps.numpy())  # pylint: disable=protected-access
+        return self.model.dp_steps
 
     def epsilon_at(self, steps):
         """Epsilon after ``steps`` steps of this model's noise at this sample rate (0 for 0)."""
@@ -925,7 +931,8 @@ class _Canaries:
         on a canary's parameter would drown the canary."""
         x = tf.zeros([self.count], tf.float32)
         for s, d, (which, where) in zip(noisy, data, self.parts):
-            values = tf.gather_nd(tf.reshape(s - d, [-1]), where)
+            values = (tf.gather_nd(tf.reshape(s, [-1]), where)
+                      - tf.gather_nd(tf.reshape(d, [-1]), where))
             x += tf.scatter_nd(which, tf.cast(values, tf.float32), [self.count])
         z = self.mu * (x * self.mu / self.clip) - self.mu**2 / 2  # x * mu / C = x / (sigma C)
         absent = tf.fill([self.count], float(np.log1p(-self.rate)) if self.rate < 1 else -np.inf)

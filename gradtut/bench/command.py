@@ -84,6 +84,8 @@ def _per_example(quick):
                         r["median_ms"], "ms", r["ratio"], "plain fit step"))
         out.append(_row(f"{model}: the same step without its {r['parameters']:,} noise draws",
                         r["no_noise_ms"], "ms", r["no_noise_ratio"], "plain fit step"))
+        out.append(_row(f"{model}: the DPModel step under a {r['canaries']:,}-canary audit",
+                        r["audited_ms"], "ms", r["audited_ratio"], "DPModel step"))
     return _default_device(), out
 
 

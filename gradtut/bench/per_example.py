@@ -179,21 +179,24 @@ def benchmark_per_example(batch_sizes=(32, 256, 1024), methods=ALL, repeats=5,
     return rows
 
 
-def benchmark_dp_step(model="mlp", batch_size=256, repeats=7, noise_multiplier=1.0):
+def benchmark_dp_step(model="mlp", batch_size=256, repeats=7, noise_multiplier=1.0,
+                      canaries=1000):
     """Time one DP-SGD training step (``gradtut.privacy.DPModel``, through ``train_on_batch``,
     the step ``fit`` runs) against one ordinary Keras training step of the same model, in
     interleaved rounds.
 
-    Also times the same step with noise_multiplier 0: the difference is the Gaussian draw.
+    Also times the same step with noise_multiplier 0 (the difference is the Gaussian draw),
+    and the step under a ``CanaryAudit`` with ``canaries`` canaries (sample rate
+    ``batch_size / 60000``), whose ratio is against the plain DPModel step.
 
     Returns:
       dict ``{"model", "batch_size", "median_ms", "reference_ms", "ratio", "no_noise_ms",
-      "no_noise_ratio", "parameters"}``.
+      "no_noise_ratio", "audited_ms", "audited_ratio", "canaries", "parameters"}``.
 
     Raises:
       ValueError: an unknown model, or a size or count that is not a positive int.
     """
-    from gradtut.privacy import DPModel  # pylint: disable=import-outside-toplevel
+    from gradtut.privacy import CanaryAudit, DPModel  # pylint: disable=import-outside-toplevel
 
     shape, build = _model_entry(model)
     batch_size, repeats = check_int(batch_size, "batch_size"), check_int(repeats, "repeats")
@@ -203,24 +206,30 @@ def benchmark_dp_step(model="mlp", batch_size=256, repeats=7, noise_multiplier=1
     plain = build()
     plain.compile(optimizer=keras.optimizers.SGD(0.01),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    private, clip_only = (DPModel(build(), l2_norm_clip=1.0, noise_multiplier=sigma,
-                                  expected_batch_size=batch_size, seed=0)
-                           for sigma in (noise_multiplier, 0.0))
-    for m in (private, clip_only):
+    private, clip_only, audited = (DPModel(build(), l2_norm_clip=1.0, noise_multiplier=sigma,
+                                           expected_batch_size=batch_size, seed=0)
+                                    for sigma in (noise_multiplier, 0.0, noise_multiplier))
+    for m in (private, clip_only, audited):
         m.compile(optimizer=keras.optimizers.SGD(0.01),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True,
                                                                   reduction=None))
     # sigma = 0 skips the noise: the difference is the Gaussian draw (one value per
     # parameter per step), which no DP-SGD implementation can avoid.
+    audit = CanaryAudit(canaries, sample_rate=batch_size / 60000, delta=1e-5, seed=0)
+    audit.set_model(audited)
+    audit.on_train_begin()  # what fit(callbacks=[audit]) does first: the canaries go in
     timings = compare_timings({"plain fit step": lambda: plain.train_on_batch(x, y),
                                "DPModel step": lambda: private.train_on_batch(x, y),
-                               "without noise": lambda: clip_only.train_on_batch(x, y)},
+                               "without noise": lambda: clip_only.train_on_batch(x, y),
+                               "audited": lambda: audited.train_on_batch(x, y)},
                               reference="plain fit step", warmup=2, repeats=repeats)
-    dp, quiet = (next(t for t in timings if t.name == n) for n in ("DPModel step",
-                                                                   "without noise"))
+    dp, quiet, checked = (next(t for t in timings if t.name == n)
+                          for n in ("DPModel step", "without noise", "audited"))
     return {"model": model, "batch_size": batch_size, "median_ms": dp.median_ms,
             "reference_ms": timings[0].median_ms, "ratio": dp.ratio,
             "no_noise_ms": quiet.median_ms, "no_noise_ratio": quiet.ratio,
+            "audited_ms": checked.median_ms, "audited_ratio": checked.median_ms / dp.median_ms,
+            "canaries": canaries,
             "parameters": int(sum(np.prod(v.shape) for v in private.model.trainable_variables))}
 
 
