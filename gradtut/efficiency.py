@@ -428,6 +428,20 @@ def hessian(loss_fn, variables):
 
 # --- compilation ---------------------------------------------------------------------------
 
+def _traced_call(function, name, args):
+    """``function(*args)`` for a ``tf.function``; a clear error where ``fn`` cannot be traced
+    (it calls ``.numpy()``, converts a tensor to a Python value, or uses NumPy on one)."""
+    try:
+        return function(*args)
+    except (AttributeError, NotImplementedError, TypeError,
+            tf.errors.OperatorNotAllowedInGraphError) as err:
+        reason = str(err).strip().splitlines()[-1].strip()  # AutoGraph prefixes a traceback
+        raise ValueError(
+            f"fn cannot be traced by tf.function (needed for the {name} version): {reason}. Inside "
+            "fn use TensorFlow ops only: no .numpy(), no float()/int()/bool() or np.* on a "
+            "tensor, no Python if on a tensor's value (use tf.cond or tf.where)") from err
+
+
 def compare_compilation(fn, *args, repeats=7, rtol=1e-2, atol=1e-6):
     """Time ``fn(*args)`` eagerly, as a ``tf.function`` and with ``jit_compile=True`` (XLA),
     interleaved in one run, after checking the three give the same result.
@@ -451,6 +465,8 @@ def compare_compilation(fn, *args, repeats=7, rtol=1e-2, atol=1e-6):
     Raises:
       AssertionError: the compiled versions disagree with eager beyond the tolerance.
       TypeError: ``fn`` cannot be called.
+      ValueError: ``fn`` cannot be traced (it calls ``.numpy()``, or converts a tensor to a
+        Python or NumPy value).
       ValueError: ``repeats`` is not a positive int, or a tolerance is not a real number >= 0.
 
     Example:
@@ -473,7 +489,7 @@ def compare_compilation(fn, *args, repeats=7, rtol=1e-2, atol=1e-6):
     expected = [np.asarray(t) for t in tf.nest.flatten(fn(*args))]
     scale = max(float(np.max(np.abs(b), initial=0.0)) for b in expected)
     for name in ("tf.function", "xla"):
-        got = [np.asarray(t) for t in tf.nest.flatten(versions[name](*args))]
+        got = [np.asarray(t) for t in tf.nest.flatten(_traced_call(versions[name], name, args))]
         for i, (a, b) in enumerate(zip(got, expected)):
             error = float(np.max(np.abs(a - b), initial=0.0))
             if error > rtol * scale + atol:

@@ -151,6 +151,15 @@ def _check_eager(what):
 def _check_model(model):
     """A Keras model, or a callable ``model(x, training=False)``; anything else is refused."""
     if isinstance(model, keras.layers.Layer):
+        inputs = getattr(model, "inputs", None) if isinstance(model, keras.Model) else None
+        if inputs is not None and len(inputs) > 1:
+            names = [getattr(t, "name", "?") for t in inputs]
+            raise ValueError(
+                f"model has {len(inputs)} inputs ({', '.join(names)}); these functions take a "
+                "model with one input tensor x [N, ...]. To differentiate with respect to one "
+                "input, wrap the model with the others fixed, e.g. lambda x, training=False: "
+                "model([x, other], training=training); for several, use tf.GradientTape on "
+                "each input")
         return
     if not callable(model):
         fix = ("wrap the layers in a model: keras.Sequential(layers)"

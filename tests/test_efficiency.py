@@ -411,6 +411,9 @@ def test_compare_compilation_checks_agreement_and_returns_ratios():
         eff.compare_compilation(differs_when_traced, x, repeats=1)
     with pytest.raises(TypeError, match="fn must be a callable of tensors, got 'step'"):
         eff.compare_compilation("step", x)
+    with pytest.raises(ValueError, match=r"fn cannot be traced by tf.function \(needed for the "
+                                         r"tf.function version\).*no \.numpy\(\)"):
+        eff.compare_compilation(lambda v: tf.constant(v.numpy() * 2), x, repeats=1)
     with pytest.raises(ValueError, match="repeats must be a positive int, got 0"):
         eff.compare_compilation(gradient_norm, x, repeats=0)
     with pytest.raises(ValueError, match="rtol must be >= 0, got -0.1"):

@@ -316,6 +316,12 @@ def test_dtensor_errors_name_the_problem():
         mp.shard_batch(np.zeros((5, 10), "float32"), mesh)
     with pytest.raises(ValueError, match="W1's size along 'model' is 7"):
         mp.shard_mlp_params(mlp_params(hidden=7), mesh)
+    with pytest.raises(ValueError, match=r"the sharding has no entry for parameter 'W3'.*pass "
+                                         r"sharding="):
+        mp.shard_mlp_params({**mlp_params(), "W3": np.zeros((4, 4), "float32")}, mesh)
+    with pytest.raises(ValueError, match=r"the sharding of 'W1' has 1 entries but the parameter "
+                                         r"has rank 2"):
+        mp.shard_mlp_params(mlp_params(), mesh, sharding={**mp.MLP_SHARDING, "W1": ["model"]})
     with pytest.raises(ValueError, match="needs 8 devices but this process has 4"):
         mp.make_mesh(2, 4)
     with pytest.raises(ValueError, match="batch must be a positive int"):

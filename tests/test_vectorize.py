@@ -275,6 +275,11 @@ def test_what_is_not_a_model_is_refused_and_a_plain_function_is_accepted():
                            input_gradients(model("mlp"), x, target=2), **TOL)
     with pytest.raises(TypeError, match=r"model must be a Keras model or a callable"):
         completeness_gap(None, x, np.zeros_like(x), target=0)
+    a, b = keras.Input((4,), name="left"), keras.Input((4,), name="right")
+    two = keras.Model([a, b], keras.layers.Dense(1)(keras.layers.Concatenate()([a, b])))
+    with pytest.raises(ValueError, match=r"model has 2 inputs \(left, right\); these functions "
+                                         r"take a model with one input.*lambda x, training=False"):
+        input_gradients(two, np.zeros((3, 4), "float32"))
 
 
 @pytest.mark.parametrize("batch_size, message", [

@@ -98,12 +98,21 @@ def shard_mlp_params(params, mesh, sharding=None):
     """``DVariable`` copies of ``params`` laid out on ``mesh`` (default :data:`MLP_SHARDING`).
 
     Raises:
-      ValueError: a dimension that does not divide by its mesh dimension's size.
+      ValueError: a dimension that does not divide by its mesh dimension's size; a parameter
+        the sharding does not name, or a sharding whose rank differs from the parameter's.
     """
     sharding = sharding or MLP_SHARDING
     result = {}
     for name, value in params.items():
         shape = tf.convert_to_tensor(value).shape
+        if name not in sharding:
+            raise ValueError(f"the sharding has no entry for parameter {name!r} (it names "
+                             f"{sorted(sharding)}): pass sharding={{..., {name!r}: [one mesh "
+                             f"dimension or dtensor.UNSHARDED per axis of its {shape.rank}]}}")
+        if len(sharding[name]) != shape.rank:
+            raise ValueError(f"the sharding of {name!r} has {len(sharding[name])} entries but "
+                             f"the parameter has rank {shape.rank} (shape {shape.as_list()}): "
+                             "give one mesh dimension or dtensor.UNSHARDED per axis")
         for size, dim in zip(shape, sharding[name]):
             if dim != dtensor.UNSHARDED:
                 _check_divisible(size, mesh.dim_size(dim), f"{name}'s size along '{dim}'")
