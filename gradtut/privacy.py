@@ -512,6 +512,7 @@ class DPModel(keras.Model):
         self.expected_batch_size = expected_batch_size
         self.seed = _seed(seed)
         self._seed_given = seed is not None
+        self._canaries_in = False
         self._dp_gradients = None
         self._per_example_loss = None
         # The noise of step t is drawn from (seed, t). The counter is a weight of this model:
@@ -568,6 +569,19 @@ class DPModel(keras.Model):
             self.model, self._per_example_loss, self.l2_norm_clip, self.noise_stddev(),
             self.expected_batch_size, tf.constant(self.seed, tf.int64), canaries)
 
+    def _use_canaries(self, canaries):
+        """Train with ``canaries`` (a :class:`_Canaries`), or without for None."""
+        self._canaries_in = canaries is not None
+        self._build_dp_gradients(canaries)
+        self.make_train_function(force=True)
+
+    def fit(self, *args, **kwargs):  # pylint: disable=signature-differs
+        try:
+            return super().fit(*args, **kwargs)
+        finally:  # an audit interrupted by an error must not leave its canaries in training
+            if getattr(self, "_canaries_in", False):
+                self._use_canaries(None)
+
     def compile(self, optimizer="rmsprop", loss=None, **kwargs):  # pylint: disable=arguments-differ
         _check_training(self.model, loss, self.l2_norm_clip, self.noise_multiplier,
                         self.expected_batch_size, loss_name="loss")
@@ -611,6 +625,16 @@ def _check_dp_model(model, who):
         raise TypeError(f"{who} works with a gradtut.privacy.DPModel, got "
                         f"{type(model).__name__}: wrap your model, DPModel(model, l2_norm_clip, "
                         "noise_multiplier, expected_batch_size), and fit that")
+
+
+def _check_rate_matches(sample_rate, num_examples, expected_batch_size, consequence):
+    """Refuse a sample rate that is not ``expected_batch_size / num_examples`` (rounded)."""
+    if num_examples is not None and round(sample_rate * num_examples) != expected_batch_size:
+        raise ValueError(
+            f"sample_rate {sample_rate:g} does not match the model: its expected_batch_size "
+            f"{expected_batch_size} over {num_examples} examples is "
+            f"{expected_batch_size / num_examples:g}. {consequence}: pass sample_rate = "
+            "expected_batch_size / num_examples")
 
 
 def _last_step_within(epsilon_at, target, limit=2**40):
@@ -685,32 +709,33 @@ class PrivacyBudget(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         _check_dp_model(self.model, "PrivacyBudget")
         batch = self.model.expected_batch_size
-        if self.num_examples is not None and abs(self.sample_rate * self.num_examples
-                                                 - batch) >= 1:
-            raise ValueError(
-                f"sample_rate {self.sample_rate:g} does not match the model: its "
-                f"expected_batch_size {batch} over {self.num_examples} examples is "
-                f"{batch / self.num_examples:g}. Epsilon would be computed for batches the "
-                "model does not take: pass sample_rate = expected_batch_size / num_examples")
+        _check_rate_matches(self.sample_rate, self.num_examples, batch, "Epsilon would be "
+                            "computed for batches the model does not take")
         self.last_step = None
         if self.target_epsilon is not None and not self.model.noise_multiplier > 0:
             raise ValueError("noise_multiplier 0 gives epsilon = inf: no step fits a "
                              "target_epsilon. Train with noise, or drop the target")
         if self.target_epsilon is not None:
             self.last_step = _last_step_within(self.epsilon_at, self.target_epsilon)
-            done = self.steps()
+            done, per_call = self.steps(), self._steps_per_call()
             if done >= self.last_step:
                 raise ValueError(
                     f"the privacy budget is spent: after {done} steps one more would give "
                     f"epsilon {self.epsilon_at(done + 1):.3g} > target_epsilon "
                     f"{self.target_epsilon:g}. Stop training, or set a larger target (the "
                     "guarantee then is the larger epsilon)")
+            if done + per_call > self.last_step:  # Keras cannot stop inside one execution
+                raise ValueError(
+                    f"only {self.last_step - done} steps are left in the budget, but the model "
+                    f"runs {per_call} per call (steps_per_execution): compile it with "
+                    f"steps_per_execution <= {self.last_step - done}")
+
+    def _steps_per_call(self):
+        return int(getattr(self.model, "steps_per_execution", 1) or 1)
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.last_step is not None:
-            per_call = int(getattr(self.model, "steps_per_execution", 1) or 1)
-            if self.steps() + per_call > self.last_step:
-                self.model.stop_training = True
+        if self.last_step is not None and self.steps() + self._steps_per_call() > self.last_step:
+            self.model.stop_training = True
 
     def on_epoch_end(self, epoch, logs=None):
         self.epsilon = self.epsilon_at(self.steps())
@@ -816,6 +841,9 @@ def epsilon_lower_bound(guesses, correct, canaries, delta=0.0, confidence=0.95):
     beta = 1.0 - confidence
     if guesses == 0 or _p_value(0.0, guesses, correct, canaries, delta) >= beta:
         return 0.0
+    # Bisection assumes the p-value grows with epsilon. The binomial tail does; with delta > 0
+    # the second term can shrink a little as epsilon grows, which at 2 m delta ~ 0.02 moves
+    # the bound negligibly (the paper's own code searches the same way).
     low, high = 0.0, 1.0  # p_value(low) < beta <= p_value(high)
     while _p_value(high, guesses, correct, canaries, delta) < beta:
         low, high = high, 2 * high
@@ -966,6 +994,9 @@ class CanaryAudit(keras.callbacks.Callback):
       confidence: in (0, 1).
       guesses: as :func:`audit_from_scores`.
       seed: int for repeatable canaries; None draws fresh ones.
+      num_examples: the size of the private data set, if you want ``sample_rate`` checked
+        against the model's ``expected_batch_size`` (as :class:`PrivacyBudget`); without it
+        the data set's size is taken to be ``expected_batch_size / sample_rate``.
 
     Raises:
       ValueError: bad arguments, ``noise_multiplier`` 0 (it claims no privacy: nothing to
@@ -978,8 +1009,11 @@ class CanaryAudit(keras.callbacks.Callback):
       >>> print(audit.result)  # doctest: +SKIP
     """
 
-    def __init__(self, canaries, sample_rate, delta, confidence=0.95, guesses=None, seed=None):
+    def __init__(self, canaries, sample_rate, delta, confidence=0.95, guesses=None, seed=None,
+                 *, num_examples=None):
         super().__init__()
+        self.num_examples = None if num_examples is None else check_int(num_examples,
+                                                                         "num_examples")
         self.canaries = check_int(canaries, "canaries")
         if self.canaries < MIN_CANARIES:
             raise ValueError(f"{self.canaries} canaries are too few for a bound worth "
@@ -1003,8 +1037,11 @@ class CanaryAudit(keras.callbacks.Callback):
         if tf.distribute.get_strategy().num_replicas_in_sync > 1:
             raise ValueError("CanaryAudit runs on one replica: fit the audit run outside a "
                              "distribution strategy's scope")
+        _check_rate_matches(self.sample_rate, self.num_examples, model.expected_batch_size,
+                            "The canaries would be sampled at another rate than the examples, "
+                            "and the bound would not test the claimed epsilon")
         parameters = sum(int(np.prod(v.shape)) for v in model.model.trainable_variables)
-        examples = round(model.expected_batch_size / self.sample_rate)
+        examples = self.num_examples or round(model.expected_batch_size / self.sample_rate)
         for limit, what in ((parameters, "trainable parameters"), (examples, "examples "
                             "(expected_batch_size / sample_rate)")):
             if self.canaries > limit:
@@ -1017,14 +1054,12 @@ class CanaryAudit(keras.callbacks.Callback):
         self._state = _Canaries(model.model.trainable_variables, self.canaries,
                                 self.sample_rate, model.l2_norm_clip, model.noise_multiplier,
                                 self.seed)
-        model._build_dp_gradients(self._state)  # pylint: disable=protected-access
-        model.make_train_function(force=True)
+        model._use_canaries(self._state)  # pylint: disable=protected-access
         self.result = None
 
     def on_train_end(self, logs=None):
-        model, state = self.model, self._state
+        state = self._state
         self.result = audit_from_scores(state.scores.numpy(), state.included, self.delta,
                                         self.confidence, self.guesses)
-        model._build_dp_gradients()  # pylint: disable=protected-access
-        model.make_train_function(force=True)
+        self.model._use_canaries(None)  # pylint: disable=protected-access
         self._state = None

@@ -163,3 +163,11 @@ def test_the_matmul_floor_writes_each_dense_kernel_per_example():
     rows = benchmark_per_example(batch_sizes=(6,), methods=("outer", "matmul floor"), repeats=1,
                                  input_dim=5, hidden=4, classes=3)
     assert {r["method"] for r in rows} == {"batch gradient", "outer", "matmul floor"}
+
+
+def test_the_dp_step_benchmark_times_the_audited_step_against_the_plain_one():
+    from gradtut.bench.per_example import benchmark_dp_step
+
+    r = benchmark_dp_step("mlp", batch_size=16, repeats=1, canaries=100)
+    assert r["canaries"] == 100 and r["audited_ms"] > 0
+    assert r["audited_ratio"] == pytest.approx(r["audited_ms"] / r["median_ms"])

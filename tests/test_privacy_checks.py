@@ -108,10 +108,23 @@ def test_budget_refuses_bad_input_with_the_fix():
                                          r"expected_batch_size 8 over 80 examples is 0.1"):
         dp.fit(x, y, epochs=1, verbose=0,
                callbacks=[PrivacyBudget(0.2, 1e-5, num_examples=80)])
-    with pytest.raises(ValueError, match="noise_multiplier 0|budget is spent"):
-        dp_model(sigma=0.0).fit(x, y, epochs=1, verbose=0,
-                                callbacks=[PrivacyBudget(0.1, 1e-5, target_epsilon=10)])
-    assert dp.dp_steps == 0  # nothing ran
+    noiseless = dp_model(sigma=0.0)
+    with pytest.raises(ValueError, match="noise_multiplier 0 gives epsilon = inf: no step fits"):
+        noiseless.fit(x, y, epochs=1, verbose=0,
+                      callbacks=[PrivacyBudget(0.1, 1e-5, target_epsilon=10)])
+    assert dp.dp_steps == 0 and noiseless.dp_steps == 0  # nothing ran
+
+
+def test_budget_refuses_more_steps_per_call_than_the_budget_has_left():
+    q = 0.1
+    last = 1 + max(k for k in range(1, 60) if epsilon(1.0, q, k, 1e-5) <= 4.0) - 1
+    dp = DPModel(wide_mlp(), 1.0, 1.0, 8, seed=0)
+    dp.compile(optimizer="sgd", loss=LOSS, steps_per_execution=last + 1)
+    with pytest.raises(ValueError, match=rf"only {last} steps are left in the budget, but the "
+                                         rf"model runs {last + 1} per call"):
+        dp.fit(poisson_data(80, q, 0, passes=10), epochs=1, verbose=0,
+               callbacks=[PrivacyBudget(q, 1e-5, target_epsilon=4.0)])
+    assert dp.dp_steps == 0
 
 
 # -------------------------------------------------------------------------------- saving
@@ -245,8 +258,10 @@ def audited_run(cls, sigma, canaries=200, q=0.04, passes=6, seed=0, confidence=0
 
 
 def test_an_honest_run_audits_below_the_accountant_and_a_noiseless_one_above():
-    _, honest, eps = audited_run(DPModel, sigma=3.0, confidence=0.99)
-    assert honest.epsilon <= eps
+    # sigma 0.7: strong enough canaries that the bound is not 0 (scoring them with the wrong
+    # sigma, or without subtracting the data's part, would show), yet below the accountant
+    _, honest, eps = audited_run(DPModel, sigma=0.7, confidence=0.99)
+    assert 0 < honest.epsilon <= eps
     _, broken, eps = audited_run(ForgetsTheNoise, sigma=3.0)
     # 150 steps at q = 0.04: an included canary goes unsampled with probability 0.2%, so the
     # noiseless run gives its canaries away; 40 right guesses prove at most about 2.55
@@ -267,23 +282,31 @@ def test_the_audit_adds_each_sampled_canary_once_and_scores_it_exactly():
     added = np.concatenate([(w - d).numpy().ravel() for w, d in zip(with_canaries, data)])
     assert np.count_nonzero(added) == sampled.sum()
     assert sorted(added[added != 0]) == pytest.approx([2.0] * sampled.sum())
-    noise = [tf.random.normal(t.shape) for t in data]
-    noisy = [w + n for w, n in zip(with_canaries, noise)]
-    canaries.observe(noisy, data)
-    x = np.zeros(20)
-    flat_noisy = np.concatenate([(n - d).numpy().ravel() for n, d in zip(noisy, data)])
-    offsets = [0, 30]
-    for j, (which, where) in enumerate(canaries.parts):
-        x[which.numpy()[:, 0]] = flat_noisy[offsets[j] + where.numpy()[:, 0]]
+    # released without noise: each sampled canary shows its full size C, the others nothing,
+    # so the scores are two known values, and the high one marks exactly the sampled canaries
+    canaries.observe(with_canaries, data)
     mu = 1 / 1.5
-    expected = np.log(0.5 + 0.5 * np.exp(mu * x / (1.5 * 2.0) - mu**2 / 2))
-    assert canaries.scores.numpy() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    high, low = (np.log(0.5 + 0.5 * np.exp(mu * c / 1.5 - mu**2 / 2)) for c in (1.0, 0.0))
+    scores = canaries.scores.numpy()
+    assert scores == pytest.approx(np.where(sampled, high, low), rel=1e-5)
+    # and a release with noise only on the sampled canaries' parameters (found from `added`,
+    # not from the canaries' own bookkeeping) moves exactly those scores, by the formula
+    bump = np.where(added != 0, 3.0, 0.0)
+    parts = np.split(bump, [30])
+    canaries.observe([w + tf.constant(b.reshape(w.shape), tf.float32)
+                      for w, b in zip(with_canaries, parts)], data)
+    again = np.log(0.5 + 0.5 * np.exp(mu * (2.0 + 3.0) / (1.5 * 2.0) - mu**2 / 2))
+    assert canaries.scores.numpy() - scores == pytest.approx(np.where(sampled, again, low),
+                                                             rel=1e-5)
 
 
-def test_after_the_audit_the_model_trains_without_canaries():
+def test_after_the_audit_the_model_trains_without_canaries_even_if_fit_failed():
     x, y = batch_for("mlp", 16, seed=int(np.random.default_rng().integers(1000)))
     dp, _, _ = audited_run(ForgetsTheNoise, sigma=0.5, passes=1,
                            optimizer=keras.optimizers.SGD(0.5))
+    with pytest.raises(ValueError, match="does not match the model"):  # after the canaries went in
+        dp.fit(x, y, verbose=0, callbacks=[CanaryAudit(200, 0.04, 1e-5),
+                                           PrivacyBudget(0.5, 1e-5, num_examples=200)])
     reference = wide_mlp()
     reference.set_weights(dp.model.get_weights())
     dp.fit(x, y, batch_size=16, epochs=1, verbose=0)  # no canaries now, and (the bug) no noise
@@ -311,3 +334,7 @@ def test_the_audit_refuses_bad_input_with_the_fix():
         dp_model().fit(x, y, verbose=0, callbacks=[CanaryAudit(600, 0.001, 1e-5)])
     with pytest.raises(ValueError, match=r"300 canaries but only 200 examples"):
         dp_model().fit(x, y, verbose=0, callbacks=[CanaryAudit(300, 0.04, 1e-5)])
+    with pytest.raises(ValueError, match=r"sample_rate 0.04 does not match the model: its "
+                                         r"expected_batch_size 8 over 400 examples is 0.02"):
+        dp_model().fit(x, y, verbose=0,
+                       callbacks=[CanaryAudit(200, 0.04, 1e-5, num_examples=400)])
