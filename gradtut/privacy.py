@@ -721,7 +721,7 @@ class PrivacyBudget(keras.callbacks.Callback):
             if done >= self.last_step:
                 raise ValueError(
                     f"the privacy budget is spent: after {done} steps one more would give "
-                    f"epsilon {self.epsilon_at(done + 1):.3g} > target_epsilon "
+                    f"epsilon {self.epsilon_at(done + 1):.4g} > target_epsilon "
                     f"{self.target_epsilon:g}. Stop training, or set a larger target (the "
                     "guarantee then is the larger epsilon)")
             if done + per_call > self.last_step:  # Keras cannot stop inside one execution
