@@ -865,6 +865,18 @@ class _AuditResult(collections.namedtuple(
                 f"delta = {self.delta:g})")
 
 
+def _check_canaries_and_guesses(canaries, guesses):
+    """``(canaries, guesses)`` checked: at least ``MIN_CANARIES`` canaries, and a guess count
+    (None: chosen later) between 2 and the canaries."""
+    canaries = check_int(canaries, "canaries")
+    if canaries < MIN_CANARIES:
+        raise ValueError(f"{canaries} canaries are too few for a bound worth reporting: use at "
+                         f"least {MIN_CANARIES} (about 1,000 is common)")
+    if guesses is not None and not 2 <= check_int(guesses, "guesses") <= canaries:
+        raise ValueError(f"guesses must be between 2 and the {canaries} canaries, got {guesses}")
+    return canaries, guesses
+
+
 def audit_from_scores(scores, included, delta, confidence=0.95, guesses=None):
     """Guess in/out from canary scores and bound epsilon: guess "in" for the ``guesses // 2``
     highest scores and "out" for the ``guesses - guesses // 2`` lowest, abstain on the rest,
@@ -898,16 +910,11 @@ def audit_from_scores(scores, included, delta, confidence=0.95, guesses=None):
     if scores.ndim != 1 or included.shape != scores.shape:
         raise ValueError(f"scores and included must be 1-D and of the same length, got shapes "
                          f"{scores.shape} and {included.shape}: one score per canary")
-    canaries = len(scores)
-    if canaries < MIN_CANARIES:
-        raise ValueError(f"{canaries} canaries are too few for a bound worth reporting: use at "
-                         f"least {MIN_CANARIES} (about 1,000 is common)")
+    canaries, guesses = _check_canaries_and_guesses(len(scores), guesses)
     if not np.all(np.isfinite(scores)):
         raise ValueError("some canary scores are not finite (NaN or inf): the training run "
                          "diverged, or the scores were computed wrongly")
-    guesses = max(2, canaries // 5) if guesses is None else check_int(guesses, "guesses")
-    if not 2 <= guesses <= canaries:
-        raise ValueError(f"guesses must be between 2 and the {canaries} canaries, got {guesses}")
+    guesses = max(2, canaries // 5) if guesses is None else guesses
     order = np.argsort(scores, kind="stable")
     out, inside = order[:guesses - guesses // 2], order[canaries - guesses // 2:]
     correct = int(np.sum(included[inside]) + np.sum(~included[out].astype(bool)))
@@ -1014,17 +1021,10 @@ class CanaryAudit(keras.callbacks.Callback):
         super().__init__()
         self.num_examples = None if num_examples is None else check_int(num_examples,
                                                                          "num_examples")
-        self.canaries = check_int(canaries, "canaries")
-        if self.canaries < MIN_CANARIES:
-            raise ValueError(f"{self.canaries} canaries are too few for a bound worth "
-                             f"reporting: use at least {MIN_CANARIES} (about 1,000 is common)")
+        self.canaries, self.guesses = _check_canaries_and_guesses(canaries, guesses)
         self.sample_rate = _check_sample_rate(sample_rate)
         _check_audit_counts(0, 0, self.canaries, delta, confidence)
         self.delta, self.confidence = float(delta), float(confidence)
-        if guesses is not None and not 2 <= check_int(guesses, "guesses") <= self.canaries:
-            raise ValueError(f"guesses must be between 2 and the {self.canaries} canaries, "
-                             f"got {guesses}")
-        self.guesses = guesses
         self.seed = check_seed(seed)
         self.result = None
         self._state = None
