@@ -35,9 +35,20 @@ def _outer_products(a, g):
 
 
 def _ghost_is_cheaper(steps, m, n):
-    """The mixed ghost-clipping rule (Bu et al. 2022): Gram form costs ~2 T^2 per example,
-    materialising costs m * n; ghost when ``2 T^2 <= m * n``."""
-    return steps is not None and 2 * steps * steps <= m * n
+    """Whether the Gram form beats materialising an ``m x n`` gradient over ``steps`` positions.
+
+    Per example, the Gram form holds ``2 T^2`` numbers and costs ``T^2 (m + n)`` multiply-adds,
+    on top of the weighted sum's own ``T m n`` later. Materialising holds ``m n`` numbers and
+    costs ``T m n``, which the weighted sum then reuses. So ghost only where it saves memory
+    (``2 T^2 <= m n``, the mixed rule of Bu et al. 2022) and the gradient is larger than the
+    layer's record of that example, its inputs and output gradients (``m n > T (m + n)``).
+    Below that size materialising holds no more than the record and skips the Gram matmuls.
+
+    Example:
+      >>> [_ghost_is_cheaper(t, m, n) for t, m, n in [(8, 32, 32), (64, 128, 512), (64, 128, 128)]]
+      [True, True, False]
+    """
+    return steps is not None and 2 * steps * steps <= m * n and m * n > steps * (m + n)
 
 
 def _sum_except(t, keep_axes):
