@@ -64,7 +64,7 @@ def _structure_difference(actual, expected, path="the top level"):
             return None
         if len(actual) != len(expected):
             return f"at {path}, actual has {len(actual)} entries but expected has {len(expected)}"
-        pairs = [(f"[{i}]", a, e) for i, (a, e) in enumerate(zip(actual, expected))]
+        pairs = [(f"[{i}]", a, e) for i, (a, e) in enumerate(zip(actual, expected, strict=True))]
     else:
         return None
     for step, a, e in pairs:
@@ -99,10 +99,12 @@ def assert_gradients_close(actual, expected, rtol=1e-5, atol=1e-6, names=None):
     Example:
       >>> assert_gradients_close([np.ones(3)], [np.ones(3) + 1e-9])  # doctest: +ELLIPSIS
       1.0...e-09
-      >>> assert_gradients_close({"w": np.ones(2)}, {"kernel": np.ones(2)})
+      >>> assert_gradients_close({"w": np.ones(2)},
+      ...                        {"kernel": np.ones(2)})  # doctest: +NORMALIZE_WHITESPACE
       Traceback (most recent call last):
       ...
-      AssertionError: the gradients differ in structure: at the top level, the dict keys differ: only in actual ['w'], only in expected ['kernel']
+      AssertionError: the gradients differ in structure: at the top level, the dict keys differ:
+      only in actual ['w'], only in expected ['kernel']
     """
     flat_a = tf.nest.flatten(actual, expand_composites=False)
     flat_e = tf.nest.flatten(expected, expand_composites=False)
@@ -114,10 +116,11 @@ def assert_gradients_close(actual, expected, rtol=1e-5, atol=1e-6, names=None):
     if names is not None and len(names) != len(flat_e):
         raise ValueError(f"names has {len(names)} entries for {len(flat_e)} gradients")
     worst = 0.0
-    for i, (a, e) in enumerate(zip(flat_a, flat_e)):
+    for i, (a, e) in enumerate(zip(flat_a, flat_e, strict=True)):
         label = _label(i, names, e)
         if a is None or e is None:
-            raise AssertionError(f"gradient {label} is None ({'actual' if a is None else 'expected'})")
+            raise AssertionError(
+                f"gradient {label} is None ({'actual' if a is None else 'expected'})")
         a, e = _as_array(a), _as_array(e)
         if a.shape != e.shape:
             raise AssertionError(f"gradient {label}: shape {a.shape} != expected {e.shape}")
@@ -165,10 +168,11 @@ def check_int(value, name, minimum=1, maximum=None, what_maximum=None):
     Example:
       >>> check_int(np.int64(4), "accumulation_steps")
       4
-      >>> check_int(True, "num_workers")
+      >>> check_int(True, "num_workers")  # doctest: +NORMALIZE_WHITESPACE
       Traceback (most recent call last):
       ...
-      ValueError: num_workers must be a positive int, got True (a bool); pass a whole number such as 1
+      ValueError: num_workers must be a positive int, got True (a bool); pass a whole number
+      such as 1
       >>> check_int(5, "num_microbatches", maximum=4, what_maximum="the batch size")
       Traceback (most recent call last):
       ...
@@ -208,10 +212,11 @@ def check_real(value, name):
     Example:
       >>> check_real(np.float32(0.5), "l2_norm_clip")
       0.5
-      >>> check_real("1.0", "l2_norm_clip")
+      >>> check_real("1.0", "l2_norm_clip")  # doctest: +NORMALIZE_WHITESPACE
       Traceback (most recent call last):
       ...
-      ValueError: l2_norm_clip must be a real number (a Python or NumPy int or float), got '1.0' (str); pass a number such as 1.0
+      ValueError: l2_norm_clip must be a real number (a Python or NumPy int or float), got '1.0'
+      (str); pass a number such as 1.0
     """
     if isinstance(value, (bool, np.bool_)):
         got = f"{value!r} (a bool)"
@@ -311,10 +316,11 @@ def check_present(value, name):
     """Refuse None for ``x`` or ``y`` (or inside their nests), naming the fix.
 
     Example:
-      >>> check_present(None, "y")
+      >>> check_present(None, "y")  # doctest: +NORMALIZE_WHITESPACE
       Traceback (most recent call last):
       ...
-      ValueError: y is None; pass one target per example, [B, ...] like x (for a loss that needs no targets, pass a placeholder such as np.zeros(B) and ignore it in loss_fn)
+      ValueError: y is None; pass one target per example, [B, ...] like x (for a loss that needs
+      no targets, pass a placeholder such as np.zeros(B) and ignore it in loss_fn)
     """
     what = ("the inputs [B, ...]" if name == "x" else "one target per example, [B, ...] "
             "like x (for a loss that needs no targets, pass a placeholder such as np.zeros(B) "
@@ -364,10 +370,12 @@ def check_loss_fn(loss_fn, name="loss_fn"):
     checked when it runs: ``gradtut.per_example.per_example_losses``.)
 
     Example:
-      >>> check_loss_fn("mse")
+      >>> check_loss_fn("mse")  # doctest: +NORMALIZE_WHITESPACE
       Traceback (most recent call last):
       ...
-      ValueError: loss_fn is the string 'mse', but per-example gradients need a loss object that returns one loss per example: pass keras.losses.MeanSquaredError(reduction=None), or a function loss_fn(y_true, y_pred) -> [B].
+      ValueError: loss_fn is the string 'mse', but per-example gradients need a loss object that
+      returns one loss per example: pass keras.losses.MeanSquaredError(reduction=None), or a
+      function loss_fn(y_true, y_pred) -> [B].
     """
     if isinstance(loss_fn, str):
         cls = _loss_class_for(loss_fn)

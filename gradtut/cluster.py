@@ -216,7 +216,8 @@ def _worker_command(target, kwargs):
     if callable(target):
         if target.__module__ == "__main__" or "<locals>" in target.__qualname__:
             raise ValueError(f"workers cannot import {target.__qualname__!r} (defined in "
-                             "__main__ or inside a function): move it to a module, or pass a script")
+                             "__main__ or inside a function): move it to a module, or pass a "
+                             "script")
         target = f"{target.__module__}:{target.__qualname__}"
     if not isinstance(target, str):
         raise ValueError(f"target must be 'module:function', a module-level function or a .py "

@@ -9,6 +9,7 @@
 - :func:`compare_compilation`: eager, ``tf.function`` and XLA timed in one run.
 """
 import collections.abc
+import itertools
 import os
 import pickle
 import sys
@@ -19,13 +20,12 @@ import numpy as np
 import tensorflow as tf
 
 from gradtut import data_parallel
-from gradtut.checks import (check_int, check_keras_model, check_loss_fn, check_real,
-                            checked_batch)
+from gradtut.checks import check_int, check_keras_model, check_loss_fn, check_real, checked_batch
 from gradtut.data_parallel import regularization_gradients
 from gradtut.measure import compare_timings, peak_memory_bytes, time_callable
-from gradtut.per_example import per_example_losses
+from gradtut.models import make_batch_gradient, mlp
+from gradtut.per_example import per_example_gradients, per_example_losses
 from gradtut.session import allocator_has_stats, run_in_subprocess
-
 
 # --- gradient accumulation -----------------------------------------------------------------
 
@@ -93,9 +93,10 @@ def accumulated_gradients(model, loss_fn, x, y, micro_batch_size):
         part = slice(start, start + micro_batch_size)
         grads = gradient_of_sum(tf.nest.map_structure(lambda t, p=part: t[p], x),
                                 tf.nest.map_structure(lambda t, p=part: t[p], y))
-        sums = list(grads) if sums is None else [s + g for s, g in zip(sums, grads)]
+        sums = list(grads) if sums is None else [s + g for s, g in zip(sums, grads, strict=True)]
     regularization = regularization_gradients(model)
-    return [s / batch + (0.0 if r is None else r) for s, r in zip(sums, regularization)]
+    return [s / batch + (0.0 if r is None else r)
+            for s, r in zip(sums, regularization, strict=True)]
 
 
 def make_accumulating_train_step(model, loss_fn, optimizer, accumulation_steps):
@@ -218,7 +219,7 @@ def peak_memory(fn, *args, fresh_process=None, timeout_s=600):
 
 def _segments(layers, num_segments):
     cuts = np.linspace(0, len(layers), num_segments + 1).round().astype(int)
-    return [layers[a:b] for a, b in zip(cuts, cuts[1:])]
+    return [layers[a:b] for a, b in itertools.pairwise(cuts)]
 
 
 def checkpointed(layers, num_segments):
@@ -344,7 +345,7 @@ def _check_vector(variables, vector):
         raise ValueError(f"vector has {len(vector)} parts but there are {len(variables)} "
                          "variables: pass one tensor per variable, in the same order")
     out = []
-    for i, (v, u) in enumerate(zip(variables, vector)):
+    for i, (v, u) in enumerate(zip(variables, vector, strict=True)):
         u = tf.convert_to_tensor(u, dtype=v.dtype)
         if u.shape != v.shape:
             raise ValueError(f"vector[{i}] has shape {u.shape} but variable {i} has shape "
@@ -396,7 +397,7 @@ def hvp(loss_fn, variables, vector, method="forward_over_reverse"):
         with tf.GradientTape() as inner:
             loss = _scalar_loss(loss_fn)
         grads = inner.gradient(loss, variables, unconnected_gradients="zero")
-        dot = tf.add_n([tf.reduce_sum(g * u) for g, u in zip(grads, vector)])
+        dot = tf.add_n([tf.reduce_sum(g * u) for g, u in zip(grads, vector, strict=True)])
     return outer.gradient(dot, variables, unconnected_gradients="zero")
 
 
@@ -490,7 +491,7 @@ def compare_compilation(fn, *args, repeats=7, rtol=1e-2, atol=1e-6):
     scale = max(float(np.max(np.abs(b), initial=0.0)) for b in expected)
     for name in ("tf.function", "xla"):
         got = [np.asarray(t) for t in tf.nest.flatten(_traced_call(versions[name], name, args))]
-        for i, (a, b) in enumerate(zip(got, expected)):
+        for i, (a, b) in enumerate(zip(got, expected, strict=True)):
             error = float(np.max(np.abs(a - b), initial=0.0))
             if error > rtol * scale + atol:
                 raise AssertionError(f"{name} disagrees with eager in output {i}: max difference "
@@ -529,7 +530,7 @@ def large_intermediate_ms(size=2048, repeats=9):
 def allocator_workloads(size=2048, batch_size=256, repeats=7):
     """Both allocator workloads of notebook 05, section 9, timed in this process: the compiled
     step of :func:`large_intermediate_ms`, and per-example gradients materialised with
-    ``method="outer"`` on the 784-256-10 MLP of ``gradtut.bench.per_example`` (a fresh
+    ``method="outer"`` on the 784-256-10 MLP of :func:`gradtut.models.mlp` (a fresh
     ``[batch_size, 203,530]`` float32 result every call), as a ratio to that MLP's batch
     gradient measured in the same rounds. Meant for ``run_in_subprocess`` with
     ``TF_CPU_ALLOCATOR_USE_BFC`` and ``TF_ENABLE_ONEDNN_OPTS`` set either way.
@@ -541,12 +542,19 @@ def allocator_workloads(size=2048, batch_size=256, repeats=7):
     Raises:
       ValueError: ``size``, ``batch_size`` or ``repeats`` is not a positive int.
     """
-    from gradtut.bench.per_example import benchmark_per_example  # pylint: disable=import-outside-toplevel
-
     size, repeats = check_int(size, "size"), check_int(repeats, "repeats")
     batch_size = check_int(batch_size, "batch_size")
     large = large_intermediate_ms(size, repeats)
-    rows = benchmark_per_example([batch_size], ["outer"], repeats=repeats)
-    outer = next(r for r in rows if r["method"] == "outer")
-    return {"large_intermediate_ms": large["median_ms"], "outer_ms": outer["median_ms"],
-            "outer_ratio": outer["ratio"], "allocator_stats": large["allocator_stats"]}
+    model = mlp()
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    batch_gradient = make_batch_gradient(model, loss_fn)
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(batch_size, 784)).astype("float32"))
+    y = tf.constant(rng.integers(0, 10, size=batch_size))
+    timings = compare_timings(
+        {"batch gradient": lambda: batch_gradient(x, y),
+         "outer": lambda: per_example_gradients(model, loss_fn, x, y, "outer")},
+        reference="batch gradient", warmup=1, repeats=repeats)
+    outer = next(t for t in timings if t.name == "outer")
+    return {"large_intermediate_ms": large["median_ms"], "outer_ms": outer.median_ms,
+            "outer_ratio": outer.ratio, "allocator_stats": large["allocator_stats"]}

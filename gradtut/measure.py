@@ -168,6 +168,6 @@ def format_table(rows, columns):
 
     body = [[cell(r.get(c, "")) for c in columns] for r in rows]
     widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(b, widths)).rstrip() for b in body]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(b, widths, strict=True)).rstrip() for b in body]
     return "\n".join(lines)

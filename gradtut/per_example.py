@@ -38,12 +38,24 @@ import keras
 import tensorflow as tf
 
 from gradtut import layer_rules
+from gradtut.checks import (
+    as_tensors,
+    batch_size_of,
+    check_keras_model,
+    check_loss_fn,
+    check_present,
+    check_real,
+    check_seed,
+)
+
 # onednn_enabled, broadcast_matmul_hazards and is_broadcast_matmul_hazard live in
 # gradtut.layer_rules.onednn; they stay importable from here, where earlier versions had them.
-from gradtut.layer_rules import (broadcast_matmul_hazards, is_broadcast_matmul_hazard,  # noqa: F401 (re-exported)
-                                 onednn_enabled, owned_trainable)
-from gradtut.checks import (as_tensors, batch_size_of, check_keras_model, check_loss_fn,
-                            check_present, check_real, check_seed)
+from gradtut.layer_rules import (  # noqa: F401 (re-exported)
+    broadcast_matmul_hazards,
+    is_broadcast_matmul_hazard,
+    onednn_enabled,
+    owned_trainable,
+)
 
 METHODS = ("loop", "map_fn", "vectorized", "jacobian", "outer")
 NORM_METHODS = ("ghost",) + METHODS
@@ -136,15 +148,19 @@ def check_model(model, loss_fn, training, method):
 
     Example:
       >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
-      >>> check_model(model, "mse", training=False, method="outer")
+      >>> check_model(model, "mse", training=False,
+      ...             method="outer")  # doctest: +NORMALIZE_WHITESPACE
       Traceback (most recent call last):
       ...
-      ValueError: loss_fn is the string 'mse', but per-example gradients need a loss object that returns one loss per example: pass keras.losses.MeanSquaredError(reduction=None), or a function loss_fn(y_true, y_pred) -> [B].
+      ValueError: loss_fn is the string 'mse', but per-example gradients need a loss object that
+      returns one loss per example: pass keras.losses.MeanSquaredError(reduction=None), or a
+      function loss_fn(y_true, y_pred) -> [B].
     """
     check_keras_model(model)
     check_loss_fn(loss_fn)
     if not model.trainable_variables:
-        raise ValueError("the model has no trainable variables (is it built? call it once on a batch)")
+        raise ValueError(
+            "the model has no trainable variables (is it built? call it once on a batch)")
     reduction = getattr(loss_fn, "reduction", None)
     if isinstance(loss_fn, keras.losses.Loss) and reduction not in (None, "none"):
         raise ValueError(
@@ -223,10 +239,11 @@ def _densify(grads, variables, batch_shape=None):
     """Gradients as dense tensors in each variable's dtype; a variable the loss does not reach
     gets zeros (``batch_shape + variable.shape``) and one warning (Keras's ``fit`` likewise
     warns, and skips such variables)."""
-    layer_rules.warn_unreached([v for g, v in zip(grads, variables) if g is None])
+    layer_rules.warn_unreached([v for g, v in zip(grads, variables, strict=True) if g is None])
     return [tf.zeros(v.shape if batch_shape is None else tf.concat([batch_shape, v.shape], 0),
                      v.dtype) if g is None
-            else tf.cast(tf.convert_to_tensor(g), v.dtype) for g, v in zip(grads, variables)]
+            else tf.cast(tf.convert_to_tensor(g), v.dtype)
+            for g, v in zip(grads, variables, strict=True)]
 
 
 def _cached(model, key, build):
@@ -275,7 +292,8 @@ def _checked_function(python_fn, **kwargs):
             text = str(err)
             if not text.startswith("in user code"):
                 raise
-            raise ValueError(text[text.rfind("ValueError: ") + len("ValueError: "):].strip()) from err
+            raise ValueError(
+                text[text.rfind("ValueError: ") + len("ValueError: "):].strip()) from err
 
     return call
 
@@ -300,9 +318,10 @@ def _loop(model, loss_fn, x, y, training, variables):
     step = _cached(model, ("loop", loss_fn, training), lambda: _checked_function(
         _one_example_gradients(model, loss_fn, variables, training)))
     batch = batch_size_of(x, "x")
-    rows = [step(tf.nest.map_structure(lambda t: t[i], x), tf.nest.map_structure(lambda t: t[i], y))
+    rows = [step(tf.nest.map_structure(lambda t, i=i: t[i], x),
+                 tf.nest.map_structure(lambda t, i=i: t[i], y))
             for i in range(batch)]
-    return [tf.stack(per_var) for per_var in zip(*rows)]
+    return [tf.stack(per_var) for per_var in zip(*rows, strict=True)]
 
 
 def _vectorized_fn(model, loss_fn, training, variables):
@@ -433,7 +452,8 @@ def per_example_gradients(model, loss_fn, x, y, method="vectorized", *, training
 
 
 def _norm_dtype(model):
-    return tf.float64 if any(v.dtype == "float64" for v in model.trainable_variables) else tf.float32
+    return (tf.float64 if any(v.dtype == "float64" for v in model.trainable_variables)
+            else tf.float32)
 
 
 def _norms_from_grads(model, grads):
@@ -715,7 +735,7 @@ class Plan(list):
     def __str__(self):
         header = ("layer", "class", "rule", "norm")
         widths = [max(len(str(r[i])) for r in [header, *self]) for i in range(4)]
-        lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
+        lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
                  for row in [header, *self]]
         return "\n".join(lines + [self.summary()])
 
@@ -774,12 +794,13 @@ def per_example_plan(model):
       >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="hidden"),
       ...                           keras.layers.LayerNormalization(name="norm"),
       ...                           keras.layers.PReLU(name="prelu")])
-      >>> print(per_example_plan(model))
+      >>> print(per_example_plan(model))  # doctest: +NORMALIZE_WHITESPACE
       layer   class               rule                                        norm
       hidden  Dense               dense                                       ghost
       norm    LayerNormalization  layer_normalization                         materialised
       prelu   PReLU               layer-local (no rule registered for PReLU)  materialised
-      3 layers: 1 ghost, 1 materialised by its rule, 1 layer-local (1 not yet traced), 0 unreached (zero)
+      3 layers: 1 ghost, 1 materialised by its rule, 1 layer-local (1 not yet traced),
+      0 unreached (zero)
     """
     check_keras_model(model)
     rows = Plan()

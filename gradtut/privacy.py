@@ -902,8 +902,10 @@ def audit_from_scores(scores, included, delta, confidence=0.95, guesses=None):
     Example:
       >>> rng = np.random.default_rng(0)
       >>> included = rng.random(1000) < 0.5
-      >>> str(audit_from_scores(included + rng.normal(size=1000), included, delta=1e-5))
-      'audited epsilon >= 1.62 (176 of 200 guesses right on 1000 canaries; 95% confidence, delta = 1e-05)'
+      >>> str(audit_from_scores(included + rng.normal(size=1000), included,
+      ...                       delta=1e-5))  # doctest: +NORMALIZE_WHITESPACE
+      'audited epsilon >= 1.62 (176 of 200 guesses right on 1000 canaries; 95% confidence,
+      delta = 1e-05)'
     """
     scores = np.asarray(scores, dtype=np.float64)
     included = np.asarray(included)
@@ -953,7 +955,7 @@ class _Canaries:
         draw = tf.random.stateless_uniform([self.count], tf.stack([self.seed, step]))
         sampled = tf.logical_and(draw < self.rate, tf.constant(self.included))
         out = []
-        for s, (which, where) in zip(sums, self.parts):
+        for s, (which, where) in zip(sums, self.parts, strict=True):
             values = tf.gather_nd(tf.cast(sampled, s.dtype), which) * self.clip
             flat = tf.tensor_scatter_nd_add(tf.reshape(s, [-1]), where, values)
             out.append(tf.reshape(flat, tf.shape(s)))
@@ -965,7 +967,7 @@ class _Canaries:
         example, so an auditor may subtract their part; without it, the data's own gradient
         on a canary's parameter would drown the canary."""
         x = tf.zeros([self.count], tf.float32)
-        for s, d, (which, where) in zip(noisy, data, self.parts):
+        for s, d, (which, where) in zip(noisy, data, self.parts, strict=True):
             values = (tf.gather_nd(tf.reshape(s, [-1]), where)
                       - tf.gather_nd(tf.reshape(d, [-1]), where))
             x += tf.scatter_nd(which, tf.cast(values, tf.float32), [self.count])
@@ -991,7 +993,8 @@ class CanaryAudit(keras.callbacks.Callback):
 
     The canaries move the model (each adds up to ``l2_norm_clip / expected_batch_size`` per
     step to its parameter): audit a run made for auditing, not the model you ship. One ``fit``
-    is one audited run; the result is in ``audit.result`` (a named tuple ``(epsilon, canaries, guesses, correct, delta, confidence)``) after it.
+    is one audited run; the result is in ``audit.result`` (a named tuple
+    ``(epsilon, canaries, guesses, correct, delta, confidence)``) after it.
 
     Args:
       canaries: how many (at least ``MIN_CANARIES``; at most the number of trainable

@@ -125,7 +125,8 @@ def setup(seed=0, virtual_cpus=None, bfc_allocator=True, deterministic=True,
     does nothing (it re-seeds, so a re-run cell gives the same numbers).
 
     Args:
-      seed: int seed for Python's ``random``, NumPy and TensorFlow (``keras.utils.set_random_seed``).
+      seed: int seed for Python's ``random``, NumPy and TensorFlow
+        (``keras.utils.set_random_seed``).
       virtual_cpus: None to keep TensorFlow's one CPU device, or N >= 1 to split the physical CPU
         into N logical devices ``/device:CPU:0`` ... ``CPU:N-1`` (data- and model-parallel
         notebooks use these; they share the same cores, so they show structure, not speed).
@@ -182,8 +183,8 @@ def setup(seed=0, virtual_cpus=None, bfc_allocator=True, deterministic=True,
     # and those lines ignore TF_CPP_MIN_LOG_LEVEL (abseil/abseil-cpp#1718, #1957). In a notebook
     # they would land in the cell's stderr, which nbval compares: catch and drop them.
     with captured_stderr():
-        import tensorflow as tf  # noqa: F401  (imported here so the log-level setting applies)
         import keras
+        import tensorflow as tf  # noqa: F401  (imported here so the log-level setting applies)
 
         tf.get_logger().setLevel("ERROR")
         if virtual_cpus is not None:

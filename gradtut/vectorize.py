@@ -2,6 +2,11 @@
 
 - :func:`vectorization_report` runs a function under ``tf.vectorized_map`` and says whether pfor
   fell back to a ``while_loop`` (TensorFlow only logs that), and for which ops.
+- :func:`make_per_example_input_gradient` and :func:`make_batched_input_gradient` build one
+  example's input gradient and the whole batch's; :func:`map_fn_timings` and
+  :func:`threading_timings` measure ``tf.map_fn``'s ``parallel_iterations`` and TensorFlow's
+  thread pools on them (thread-pool sizes are read once, when TensorFlow's runtime starts, so
+  run :func:`threading_timings` in its own process with ``gradtut.session.run_in_subprocess``).
 - :func:`input_gradients`, :func:`batch_jacobian` and :func:`integrated_gradients` compute
   per-example derivatives of a model's output with respect to its input, chunk by chunk, so
   TensorFlow's working memory stays at one chunk however many examples there are.
@@ -29,6 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from gradtut.checks import check_int
+from gradtut.measure import compare_timings
 
 _cache = weakref.WeakKeyDictionary()  # model -> {key: tf.function}
 _FALLBACK = re.compile(r"while_loop for converting (\w+)|(\w+) uses a while_loop")
@@ -188,7 +194,8 @@ def _checked_input(x):
     if x.dtype == np.float64:
         x = x.astype(keras.backend.floatx())
     if not np.issubdtype(x.dtype, np.floating):
-        raise ValueError(f"x must be floating point to differentiate with respect to it; got {x.dtype}")
+        raise ValueError("x must be floating point to differentiate with respect to it; "
+                         f"got {x.dtype}")
     if x.ndim == 0 or x.shape[0] == 0:
         raise ValueError(f"x must be a non-empty batch [B, ...]; got shape {x.shape}")
     return x
@@ -524,3 +531,112 @@ def completeness_gap(model, x, attributions, baseline=None, target=None):
 
     sums = attributions.reshape(len(x), -1).sum(axis=1, dtype=np.float64)
     return sums - (value(x).astype(np.float64) - value(baseline).astype(np.float64))
+
+
+# ------------------------------------------------- map_fn against one batched pass, measured
+
+
+def make_per_example_input_gradient(model):
+    """``f(x_i) -> d sum(model(x_i)) / d x_i`` for one example without its batch dimension.
+
+    Raises:
+      TypeError: ``model`` is not a Keras model.
+    """
+    _check_model(model)
+
+    def gradient(xi):
+        xi = tf.convert_to_tensor(xi)[None]
+        with tf.GradientTape() as tape:
+            tape.watch(xi)
+            value = tf.reduce_sum(model(xi, training=False))
+        return tape.gradient(value, xi)[0]
+
+    return gradient
+
+
+def make_batched_input_gradient(model):
+    """A ``tf.function`` ``x -> d sum(model(x)) / d x``: every example's input gradient at once.
+
+    Raises:
+      TypeError: ``model`` is not a Keras model.
+    """
+    _check_model(model)
+
+    @tf.function
+    def batched(v):
+        with tf.GradientTape() as tape:
+            tape.watch(v)
+            value = tf.reduce_sum(model(v, training=False))
+        return tape.gradient(value, v)
+
+    return batched
+
+
+def map_fn_timings(model, x, parallel_iterations=(1, 2, 4, 10), repeats=5, eager=True):
+    """Median ms of ``tf.map_fn`` over ``x`` with the per-example input gradient.
+
+    Returns dict ``{label: Timing}`` for eager (if asked) and each ``parallel_iterations`` in a
+    ``tf.function``, plus ``"vectorized_map"`` and ``"one batched pass"``, all timed in the same
+    interleaved rounds; ratios are against the eager map_fn (or the first graph variant).
+
+    Raises:
+      TypeError: ``model`` is not a Keras model.
+      ValueError: ``x`` has no examples, a ``parallel_iterations`` or ``repeats`` that is not a
+        positive int.
+    """
+    parallel_iterations = [check_int(p, "parallel_iterations") for p in parallel_iterations]
+    repeats = check_int(repeats, "repeats")
+    if not len(x):
+        raise ValueError("x has no examples: pass a batch of at least one")
+    one = make_per_example_input_gradient(model)
+    x = tf.convert_to_tensor(x)
+    calls = {}
+    if eager:
+        calls["map_fn, eager"] = lambda: tf.map_fn(one, x, parallel_iterations=1)
+    for p in parallel_iterations:
+        fn = tf.function(lambda v, p=p: tf.map_fn(one, v, parallel_iterations=p))
+        calls[f"map_fn, tf.function, parallel_iterations={p}"] = lambda fn=fn: fn(x)
+    vectorized = tf.function(lambda v: tf.vectorized_map(one, v))
+    calls["vectorized_map"] = lambda: vectorized(x)
+    batched = make_batched_input_gradient(model)
+    calls["one batched pass"] = lambda: batched(x)
+    return compare_timings(calls, reference=next(iter(calls)), warmup=1, repeats=repeats)
+
+
+def threading_timings(intra_op=None, inter_op=None, batch=256, features=1024, repeats=5):
+    """Set TensorFlow's thread pools, then time three workloads in interleaved rounds.
+
+    Setting a pool size must happen before TensorFlow's runtime starts in this process (use
+    ``run_in_subprocess``); None keeps TensorFlow's default (0: one thread per core).
+
+    Returns:
+      dict with the settings and the median ms of: ``"matmul_ms"``, one 2048 x 2048 matmul (a
+      single large op); ``"batched_ms"``, per-example input gradients of an MLP
+      (``features``-1024-10) on ``batch`` examples as one batched computation; ``"map_fn_ms"``,
+      the same as ``tf.map_fn`` with ``parallel_iterations=10`` in a ``tf.function``.
+
+    Raises:
+      ValueError: a thread count, size or ``repeats`` that is not a positive int.
+    """
+    for name, value in (("intra_op", intra_op), ("inter_op", inter_op)):
+        if value is not None:
+            check_int(value, name)
+    for name, value in (("batch", batch), ("features", features), ("repeats", repeats)):
+        check_int(value, name)
+    if intra_op is not None:
+        tf.config.threading.set_intra_op_parallelism_threads(intra_op)
+    if inter_op is not None:
+        tf.config.threading.set_inter_op_parallelism_threads(inter_op)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((features,)), keras.layers.Dense(1024, activation="tanh"),
+                              keras.layers.Dense(10)])
+    x = tf.constant(np.random.default_rng(0).normal(size=(batch, features)).astype("float32"))
+    one = make_per_example_input_gradient(model)
+    square = tf.random.stateless_normal([2048, 2048], seed=[0, 0])
+    matmul = tf.function(lambda: tf.matmul(square, square))
+    mapped = tf.function(lambda v: tf.map_fn(one, v, parallel_iterations=10))
+    batched = make_batched_input_gradient(model)
+    timings = compare_timings({"matmul": matmul, "batched": lambda: batched(x),
+                               "map_fn": lambda: mapped(x)}, warmup=1, repeats=repeats)
+    return {"intra_op": intra_op or "default", "inter_op": inter_op or "default",
+            **{f"{t.name}_ms": t.median_ms for t in timings}}

@@ -1,4 +1,5 @@
 """Small models shared by the tests: each stands for a family of layers with or without a rule."""
+import os
 import subprocess
 
 import keras
@@ -108,7 +109,8 @@ def text():
 
 def masked_text():
     """Embedding(mask_zero=True): the mask reaches the pooling; padded tokens add nothing."""
-    return keras.Sequential([keras.Input((6,), dtype="int32"), L.Embedding(VOCAB, 4, mask_zero=True),
+    return keras.Sequential([keras.Input((6,), dtype="int32"),
+                             L.Embedding(VOCAB, 4, mask_zero=True),
                              L.GlobalAveragePooling1D(), L.Dense(CLASSES)], name="masked_text")
 
 
@@ -334,7 +336,8 @@ MODELS = {f.__name__: f for f in (
     subclassed, no_rule, norm_variants, einsum_variants, lora_attention, lstm, gru,
     bidirectional, unreached, custom_block, tied_head, lora_unfrozen)}
 INPUT_SHAPES = {"mlp": (12,), "cnn": (8, 8, 1), "grouped_conv": (8, 8, 4),
-                "depthwise": (8, 8, 3), "conv1d": (10, 24), "conv3d": (4, 4, 4, 2), "wide_conv": (6, 6, 8),
+                "depthwise": (8, 8, 3), "conv1d": (10, 24), "conv3d": (4, 4, 4, 2),
+                "wide_conv": (6, 6, 8),
                 "layer_norm": (12,), "group_norm": (6, 6, 2), "text": (6,), "masked_text": (6,),
                 "attention": (4, 8), "transformer": (4, 8), "shared_dense": (12,),
                 "discarded_call": (6,), "frozen": (12,), "subclassed": (12,), "no_rule": (12,),
@@ -370,3 +373,47 @@ def strategy_with(replicas):
 def no_process_matches(pattern):
     """True when no process's command line matches ``pattern`` (pgrep -f)."""
     return subprocess.run(["pgrep", "-f", pattern], capture_output=True).returncode == 1
+
+
+def gone(pid):
+    """Whether no process has this pid any more."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+# The data-parallel tests: a replicated model, its single-device twin, and their batches.
+
+
+def dp_model(regularized):
+    """The data-parallel tests' model: Dense(8, tanh) -> Dense(3) on 5 features, seeded."""
+    keras.utils.set_random_seed(0)
+    reg = keras.regularizers.L2(0.01) if regularized else None
+    return keras.Sequential([keras.Input((5,)),
+                             keras.layers.Dense(8, activation="tanh", kernel_regularizer=reg),
+                             keras.layers.Dense(3)])
+
+
+def dp_data(n, seed=0):
+    """``n`` examples for :func:`dp_model`: features and labels as NumPy arrays."""
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 5)).astype("float32"), rng.integers(0, 3, size=n)
+
+
+def twins(strategy, regularized=False, learning_rate=0.1):
+    """A replicated model/optimizer and a single-device copy with the same initial weights."""
+    with strategy.scope():
+        model = dp_model(regularized)
+        optimizer = keras.optimizers.SGD(learning_rate)
+    reference = dp_model(regularized)
+    reference.set_weights(model.get_weights())
+    return model, optimizer, reference, keras.optimizers.SGD(learning_rate)
+
+
+def dp_batches(strategy, x, y, batch_size):
+    """The same batches distributed over ``strategy`` and as plain ``(x, y)`` slices."""
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
+    return strategy.experimental_distribute_dataset(ds), [
+        (x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, len(x), batch_size)]

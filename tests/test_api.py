@@ -87,3 +87,65 @@ def test_this_check_can_fail():
 def test_the_old_module_names_are_gone(old):
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module(old)
+
+
+# Shared modules serve every notebook; topics are ordered by the notebook that teaches them.
+SHARED = {"session", "checks", "measure", "plots", "models", "cluster", "layer_rules"}
+TOPIC_NOTEBOOK = {"per_example": 1, "privacy": 1, "vectorize": 2, "data_parallel": 3,
+                  "model_parallel": 4, "efficiency": 5}
+PACKAGE = Path(gradtut.__file__).resolve().parent
+
+
+def gradtut_imports(path):
+    """The top-level gradtut modules a file imports (``gradtut.data_parallel`` -> ``data_parallel``;
+    the bare ``import gradtut``, the package root, counts as ``""``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "gradtut":
+            parts = node.module.split(".")
+            if len(parts) > 1:
+                found.add(parts[1])
+            else:
+                found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "gradtut":
+                    found.add(parts[1] if len(parts) > 1 else "")
+    return found
+
+
+def upward_imports(package=PACKAGE):
+    """``[(file, imported module)]`` for every import that runs against the layering: anything
+    but the command line importing ``bench``, a shared module importing a topic, or a topic
+    importing the topic of a later notebook."""
+    wrong = []
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package).with_suffix("").parts
+        own = parts[0]
+        if own in ("__init__", "__main__", "bench"):
+            continue
+        for imported in gradtut_imports(path) - {own, ""}:
+            if imported == "bench":
+                wrong.append((str(path.relative_to(package)), imported))
+            elif own in SHARED and imported in TOPIC_NOTEBOOK:
+                wrong.append((str(path.relative_to(package)), imported))
+            elif (own in TOPIC_NOTEBOOK and imported in TOPIC_NOTEBOOK
+                  and TOPIC_NOTEBOOK[imported] > TOPIC_NOTEBOOK[own]):
+                wrong.append((str(path.relative_to(package)), imported))
+    return wrong
+
+
+def test_no_module_imports_one_above_it():
+    names = {p.relative_to(PACKAGE).with_suffix("").parts[0] for p in PACKAGE.rglob("*.py")}
+    assert names - {"__init__", "__main__", "bench"} == SHARED | set(TOPIC_NOTEBOOK), (
+        "a module is neither shared nor a topic: add it to SHARED or TOPIC_NOTEBOOK")
+    assert upward_imports() == []
+
+
+def test_the_layering_check_can_fail(tmp_path):
+    (tmp_path / "models.py").write_text("from gradtut.bench.per_example import benchmark_dp_step\n"
+                                        "import gradtut.efficiency\n")
+    (tmp_path / "vectorize.py").write_text("from gradtut import data_parallel, checks\n")
+    assert sorted(upward_imports(tmp_path)) == [
+        ("models.py", "bench"), ("models.py", "efficiency"), ("vectorize.py", "data_parallel")]

@@ -148,8 +148,15 @@ def test_check_seed():
 def test_the_shared_input_checks_name_the_problem():
     import keras
 
-    from gradtut.checks import (as_tensors, batch_size_of, check_keras_model, check_loss_fn,
-                                check_optimizer, check_present, checked_batch)
+    from gradtut.checks import (
+        as_tensors,
+        batch_size_of,
+        check_keras_model,
+        check_loss_fn,
+        check_optimizer,
+        check_present,
+        checked_batch,
+    )
     with pytest.raises(ValueError, match="x holds no tensors"):
         batch_size_of([], "x")
     with pytest.raises(ValueError, match="different batch sizes \\[3, 4\\]"):

@@ -2,11 +2,20 @@
 crash at a chosen moment; every process they start is gone afterwards."""
 import json
 import subprocess
+import tempfile
 
 import pytest
 
-from gradtut.cluster import WorkerError, launch_local_workers
-from model_zoo import no_process_matches
+from gradtut.cluster import (
+    LocalCluster,
+    WorkerError,
+    free_loopback_ports,
+    launch_local_workers,
+    parameter_server_cluster,
+    run_until_marker_then_kill,
+    serve,
+)
+from model_zoo import gone, no_process_matches
 
 
 def test_workers_get_a_loopback_cluster_in_tf_config():
@@ -19,7 +28,8 @@ def test_workers_get_a_loopback_cluster_in_tf_config():
 
 
 def test_a_target_that_raises_is_named_with_its_stderr():
-    with pytest.raises(WorkerError, match=r"(?s)worker \d of 2 exited with code 1.*JSONDecodeError"):
+    with pytest.raises(WorkerError,
+                       match=r"(?s)worker \d of 2 exited with code 1.*JSONDecodeError"):
         launch_local_workers("json:loads", 2, timeout_s=60, kwargs={"s": "{"})
 
 
@@ -130,85 +140,6 @@ def test_a_port_taken_before_the_worker_listens_is_retried_with_fresh_ports(monk
         with pytest.raises(WorkerError, match=r"could not listen on its port.*tried 1 time"):
             launch_local_workers("gradtut.data_parallel:train_synthetic", 2, timeout_s=120,
                                  kwargs={"steps": 2}, ports=[taken, real(1)[0]])
-
-
-# ------------------------------------------------------------------ parameter servers
-
-import os  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-
-from gradtut.cluster import (LocalCluster, free_loopback_ports,  # noqa: E402
-                             parameter_server_cluster, run_until_marker_then_kill, serve)
-
-# A coordinator connects its whole TensorFlow runtime to the cluster, so each parameter-server
-# run happens in a fresh Python process, never in the test process.
-COORDINATOR = """
-import json, os, sys
-import gradtut
-gradtut.setup(seed=0)
-import tensorflow as tf
-from gradtut.cluster import parameter_server_cluster
-from gradtut.data_parallel import train_with_parameter_servers
-tf.get_logger().setLevel("CRITICAL")
-steps, kill_after, kill_all_first = int(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3] == "1"
-with parameter_server_cluster(2, 1, timeout_s=120) as cluster:
-    pids = cluster.pids()
-    strategy = tf.distribute.experimental.ParameterServerStrategy(cluster.resolver())
-    if kill_all_first:
-        cluster.kill("worker", 0), cluster.kill("worker", 1)
-        try:
-            result = train_with_parameter_servers(strategy, steps, cluster=cluster, timeout_s=5)
-        except TimeoutError as err:
-            result = {"error": str(err)}
-    else:
-        result = train_with_parameter_servers(strategy, steps, kill_worker_after=kill_after,
-                                              cluster=cluster)
-print("@@" + json.dumps({**result, "pids": pids}), flush=True)
-os._exit(0)  # the coordinator's threads may still wait for the dead workers
-"""
-
-
-def coordinate(steps, kill_after, kill_all_first=False):
-    proc = subprocess.run([sys.executable, "-c", COORDINATOR, str(steps), json.dumps(kill_after),
-                           "1" if kill_all_first else "0"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.rsplit("@@", 1)[1])
-
-
-def gone(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
-def test_parameter_server_training_learns_and_survives_a_killed_worker():
-    steps = 120
-    result = coordinate(steps, kill_after=60)
-    # every scheduled step returned; an update may be applied twice (at-least-once), never lost
-    assert len(result["losses"]) == steps and result["updates"] >= steps
-    assert all(a >= 1 for a in result["attempts"]) and len(result["attempts"]) == steps
-    assert result["updates"] <= sum(result["attempts"])  # an update per attempt at most
-    assert result["held_out_loss"] < 1.2, result["held_out_loss"]  # from about 2.3 at the start
-    assert sorted(set(result["worker"])) == [0, 1]  # task indices: both workers ran steps
-    # the killed worker (task 1) started nothing after the kill
-    assert not any(w == 1 and b > result["killed_at"]
-                   for w, b in zip(result["worker"], result["began"]))
-    # the version counter, read before the weights and again before the step's own update
-    assert all(0 <= r <= r2 < result["updates"]
-               for r, r2 in zip(result["read"], result["read_before_update"]))
-    assert all(d.startswith("/job:ps/") for d in result["variables_on"]), result["variables_on"]
-    assert result["killed_at"] is not None and result["wall_seconds"] < 120
-    assert all(gone(pid) for pid in result["pids"]), "a cluster process outlived the block"
-
-
-def test_parameter_server_training_with_every_worker_dead_times_out():
-    result = coordinate(10, kill_after=None, kill_all_first=True)
-    assert "did not finish within 5 s" in result["error"], result
-    assert all(gone(pid) for pid in result["pids"]), "a cluster process outlived the block"
 
 
 def test_the_cluster_is_gone_after_an_error_in_the_block():

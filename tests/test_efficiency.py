@@ -56,7 +56,7 @@ def test_averaging_micro_batch_means_would_be_wrong_on_a_ragged_batch():
     x, y = data((12,), 10)
     expected = full_batch_gradients(model, LOSS, x, y)
     means = [full_batch_gradients(model, LOSS, x[a:a + 7], y[a:a + 7]) for a in (0, 7)]
-    naive = [(a + b) / 2 for a, b in zip(*means)]
+    naive = [(a + b) / 2 for a, b in zip(*means, strict=True)]
     with pytest.raises(AssertionError):
         assert_gradients_close(naive, expected)
 
@@ -243,7 +243,7 @@ def test_checkpointed_builds_unbuilt_layers_on_the_first_call():
     f(x)
     with tf.GradientTape() as tape:
         loss = MEAN_LOSS(y, f(x))
-    variables = [v for l in layers for v in l.trainable_variables]
+    variables = [v for layer in layers for v in layer.trainable_variables]
     with tf.GradientTape() as plain_tape:
         plain = MEAN_LOSS(y, layers[1](layers[0](x)))
     assert_gradients_close(tape.gradient(loss, variables), plain_tape.gradient(plain, variables))

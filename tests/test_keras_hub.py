@@ -13,8 +13,13 @@ import tensorflow as tf
 
 from gradtut.checks import assert_gradients_close
 from gradtut.layer_rules import onednn_enabled
-from gradtut.per_example import (METHODS, clipped_gradient, per_example_gradient_norms,
-                                 per_example_gradients, per_example_plan)
+from gradtut.per_example import (
+    METHODS,
+    clipped_gradient,
+    per_example_gradient_norms,
+    per_example_gradients,
+    per_example_plan,
+)
 from gradtut.privacy import DPModel
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
@@ -154,9 +159,9 @@ def clipped_by_hand(model, x, y, clip, expected_batch_size):
         with tf.GradientTape() as tape:
             loss = LOSS(y[i:i + 1], model(xi, training=True))[0]
         grads = [np.zeros(v.shape) if g is None else tf.convert_to_tensor(g).numpy()
-                 for g, v in zip(tape.gradient(loss, variables), variables)]
+                 for g, v in zip(tape.gradient(loss, variables), variables, strict=True)]
         norm = np.sqrt(sum(np.sum(g.astype("float64") ** 2) for g in grads))
-        total = [t + g * min(1.0, clip / norm) for t, g in zip(total, grads)]
+        total = [t + g * min(1.0, clip / norm) for t, g in zip(total, grads, strict=True)]
     return [t / expected_batch_size for t in total]
 
 
@@ -174,7 +179,7 @@ def test_one_dp_model_step_equals_a_hand_clipped_step(name):
                                     reference.trainable_variables)
     assert_gradients_close(model.trainable_variables, reference.trainable_variables, **TOL)
     moved = [np.any(a.numpy() != b) for a, b in zip(model.trainable_variables,
-                                                    build(name).trainable_variables)]
+                                                    build(name).trainable_variables, strict=True)]
     assert sum(moved) > len(moved) // 2  # the step changed most variables
 
 
@@ -191,7 +196,8 @@ def test_unreached_variables_are_zero_named_once_and_counted_in_the_plan(models)
     with pytest.warns(UserWarning, match=r"does not reach 2 trainable.*pooled_dense") as caught:
         got = per_example_gradients(model, LOSS, x, y, "outer")
     assert len([w for w in caught if "does not reach" in str(w.message)]) == 1
-    pooler = [g for g, v in zip(got, model.trainable_variables) if "pooled_dense" in v.path]
+    pooler = [g for g, v in zip(got, model.trainable_variables, strict=True)
+              if "pooled_dense" in v.path]
     assert len(pooler) == 2 and not any(np.any(g.numpy()) for g in pooler)
     rows = {row[0]: row for row in per_example_plan(model)}
     assert rows[f"{backbone_name(model)}/pooled_dense"][3] == "zero (unreached)"

@@ -12,17 +12,43 @@ import tensorflow as tf
 
 from gradtut import layer_rules
 from gradtut.checks import assert_gradients_close
-from gradtut.layer_rules import (DenseRule, EinsumDenseRule, EmbeddingRule, GroupNormalizationRule,
-                                 LayerNormalizationRule, LayerRule, LocalRule, LoraRule,
-                                 PositionEmbeddingRule, RMSNormalizationRule,
-                                 ReversibleEmbeddingRule, class_path, covered_layers, explain,
-                                 ghost_sq_norms_of, layer_paths, one_pass, owned_trainable,
-                                 per_example_of, recording, register_rule, registry_version,
-                                 onednn_enabled, rule_for, squared_norms, unregister_rule,
-                                 warn_unreached, weighted_sum_of)
+from gradtut.layer_rules import (
+    DenseRule,
+    EinsumDenseRule,
+    EmbeddingRule,
+    GroupNormalizationRule,
+    LayerNormalizationRule,
+    LayerRule,
+    LocalRule,
+    LoraRule,
+    PositionEmbeddingRule,
+    ReversibleEmbeddingRule,
+    RMSNormalizationRule,
+    class_path,
+    covered_layers,
+    explain,
+    ghost_sq_norms_of,
+    layer_paths,
+    one_pass,
+    onednn_enabled,
+    owned_trainable,
+    per_example_of,
+    recording,
+    register_rule,
+    registry_version,
+    rule_for,
+    squared_norms,
+    unregister_rule,
+    warn_unreached,
+    weighted_sum_of,
+)
 from gradtut.layer_rules.lora import LoraCapable, equations
-from gradtut.per_example import (clipped_gradient, per_example_gradient_norms,
-                                 per_example_gradients, per_example_plan)
+from gradtut.per_example import (
+    clipped_gradient,
+    per_example_gradient_norms,
+    per_example_gradients,
+    per_example_plan,
+)
 from model_zoo import LOSS
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
@@ -297,19 +323,22 @@ def _numpy_patches(x, k, stride, dilation, padding):
     out = np.zeros((b, out_h, out_w, k * k * c), x.dtype)
     for i in range(out_h):
         for j in range(out_w):
-            window = x[:, i * stride:i * stride + span:dilation, j * stride:j * stride + span:dilation]
+            window = x[:, i * stride:i * stride + span:dilation,
+                       j * stride:j * stride + span:dilation]
             out[:, i, j] = window.reshape(b, -1)
     return out
 
 
 @pytest.mark.parametrize("channels", [1, 3, 8])  # 9 * 8 = 72 > 64: the extract_patches path
 @pytest.mark.parametrize("k,stride,dilation,padding",
-                         [(3, 1, 1, "same"), (3, 2, 1, "valid"), (2, 1, 2, "same"), (3, 2, 1, "same")])
+                         [(3, 1, 1, "same"), (3, 2, 1, "valid"), (2, 1, 2, "same"),
+                          (3, 2, 1, "same")])
 def test_both_patch_paths_match_explicit_patch_extraction(channels, k, stride, dilation, padding):
     x = np.random.default_rng().normal(size=(2, 7, 6, channels)).astype("float32")
     got = layer_rules.conv_patches(tf.constant(x), (k, k), (stride, stride), padding,
                                    (dilation, dilation)).numpy()
-    np.testing.assert_allclose(got, _numpy_patches(x, k, stride, dilation, padding), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(got, _numpy_patches(x, k, stride, dilation, padding), rtol=0,
+                               atol=1e-6)
 
 
 @pytest.mark.parametrize("make,shape,patches", [
@@ -346,7 +375,7 @@ def test_ghost_sq_norms_of_is_the_materialised_norm_where_cheaper_and_none_elsew
     trainable = {id(v) for v in model.trainable_variables}
     ghost = [ghost_sq_norms_of(*entry, trainable) for entry in layers]
     assert ghost[0] is None  # 64 positions: materialising 9 x 4 values is cheaper than the Gram
-    for entry, sq in zip(layers[1:], ghost[1:]):
+    for entry, sq in zip(layers[1:], ghost[1:], strict=True):
         want = tf.add_n([squared_norms(t) for t in per_example_of(*entry).values()])
         np.testing.assert_allclose(sq.numpy(), want.numpy(), rtol=1e-4)
     kernel_only = {id(model.layers[1].kernel)}  # as if its bias were frozen: materialise
@@ -396,9 +425,11 @@ def test_a_rule_is_refused_for_a_layer_type_it_was_not_written_for():
         EinsumDenseRule().unsupported(dense)
     with pytest.raises(TypeError, match="EmbeddingRule is the rule for Embedding layers"):
         EmbeddingRule().unsupported(dense)
-    with pytest.raises(TypeError, match="LayerNormalizationRule is the rule for LayerNormalization"):
+    with pytest.raises(TypeError,
+                       match="LayerNormalizationRule is the rule for LayerNormalization"):
         LayerNormalizationRule().unsupported(dense)
-    with pytest.raises(TypeError, match="GroupNormalizationRule is the rule for GroupNormalization"):
+    with pytest.raises(TypeError,
+                       match="GroupNormalizationRule is the rule for GroupNormalization"):
         GroupNormalizationRule().unsupported(dense)
     with pytest.raises(TypeError, match="RMSNormalizationRule is the rule for RMSNormalization"):
         RMSNormalizationRule().unsupported(dense)
@@ -454,7 +485,8 @@ def test_recording_covered_layers_and_one_pass_refuse_bad_arguments():
 def test_per_layer_functions_refuse_what_one_pass_would_not_return():
     layer, rule, pairs = recorded_dense()
     trainable = {id(v) for v in layer.trainable_variables}
-    with pytest.raises(ValueError, match=r"per_example_of needs a non-empty list of \(a, g\) pairs"):
+    with pytest.raises(ValueError,
+                       match=r"per_example_of needs a non-empty list of \(a, g\) pairs"):
         per_example_of(layer, rule, [])
     with pytest.raises(TypeError, match=r"ghost_sq_norms_of needs the layer's LayerRule "
                                         r"\(rule_for\(layer\)\), got str"):

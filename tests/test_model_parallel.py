@@ -1,8 +1,16 @@
 """The pipeline model against the GPipe bubble formula and hand-checked small cases."""
+import itertools
+
 import pytest
 
-from gradtut.model_parallel import (activations_in_flight, balanced_boundaries, bubble_fraction,
-                                    schedule_order, simulate_pipeline, stage_times)
+from gradtut.model_parallel import (
+    activations_in_flight,
+    balanced_boundaries,
+    bubble_fraction,
+    schedule_order,
+    simulate_pipeline,
+    stage_times,
+)
 
 
 def spans_of(timeline):
@@ -39,7 +47,8 @@ def test_no_stage_runs_two_things_at_once_and_dependencies_hold(schedule):
         by_stage.setdefault(e["stage"], []).append((e["start"], e["end"]))
     for spans in by_stage.values():
         spans.sort()
-        assert all(a_end <= b_start + 1e-12 for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+        assert all(a_end <= b_start + 1e-12
+                   for (_, a_end), (b_start, _) in itertools.pairwise(spans))
     end = {(e["stage"], e["microbatch"], e["phase"]): e["end"] for e in result["timeline"]}
     start = {(e["stage"], e["microbatch"], e["phase"]): e["start"] for e in result["timeline"]}
     for j in range(5):

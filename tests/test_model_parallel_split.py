@@ -65,7 +65,7 @@ def test_placed_stages_match_the_unsplit_layers(model, num_devices):
 def test_unbuilt_layers_are_built_on_their_stage_device():
     layers, shape = dense_layers()
     staged = mp.place_stages(layers, DEVICES[4], input_shape=shape)
-    for device, stage in zip(staged.devices, staged.stages):
+    for device, stage in zip(staged.devices, staged.stages, strict=True):
         for layer in stage:
             for variable in layer.weights:
                 assert variable.value.device.endswith(device.split("/")[-1])
@@ -76,9 +76,9 @@ def test_balancing_finds_the_smallest_largest_stage():
     for n, stages in [(5, 2), (6, 3), (7, 4), (4, 4)]:
         costs = list(rng.randint(0, 100, n))
         cuts = mp.balanced_boundaries(costs, stages)
-        def largest(c):
+        def largest(c, n=n, costs=costs):
             edges = [0] + list(c) + [n]
-            return max(sum(costs[a:b]) for a, b in zip(edges, edges[1:]))
+            return max(sum(costs[a:b]) for a, b in itertools.pairwise(edges))
         brute = min(largest(c) for c in itertools.combinations(range(1, n), stages - 1))
         assert len(cuts) == stages - 1 and largest(cuts) == brute
 
@@ -88,7 +88,7 @@ def test_built_layers_and_explicit_boundaries():
     staged = mp.place_stages(model, DEVICES[2], boundaries=[1])
     assert [len(stage) for stage in staged.stages] == [1, 4]
     assert staged.parameter_counts() == [model.layers[0].count_params(),
-                                         sum(l.count_params() for l in model.layers[1:])]
+                                         sum(layer.count_params() for layer in model.layers[1:])]
     assert staged.summary().splitlines()[0].startswith("stage 0 on /device:CPU:0: ")
 
 
@@ -152,7 +152,7 @@ def test_the_measured_timeline_follows_the_gpipe_schedule():
     for s in range(stages):
         order = [(s, j, "forward") for j in range(m)] + [(s, j, "backward")
                                                           for j in reversed(range(m))]
-        for a, b in zip(order, order[1:]):  # one thing at a time, in GPipe order
+        for a, b in itertools.pairwise(order):  # one thing at a time, in GPipe order
             assert span[a][0] <= span[a][1] <= span[b][0]
         for j in range(m):
             if s:
@@ -198,7 +198,7 @@ def tensor_parallel_pair(num_devices, hidden=8, seed=0):
     x = tf.zeros((1, 10))
     dense[1](dense[0](x))
     split[1](split[0](x))
-    for d, s in zip(dense, split):
+    for d, s in zip(dense, split, strict=True):
         s.load_dense_weights(*d.get_weights())
     return dense, split
 
@@ -234,7 +234,8 @@ def test_column_and_row_split_mlp_matches_the_unsplit_one(num_devices):
     expected = tape.gradient(expected_loss, dense[0].trainable_variables +
                              dense[1].trainable_variables)
     assert_gradients_close(merged, expected)
-    for layer, reference in zip(split, dense):  # merging the weights gives the Dense back
+    # merging the weights gives the Dense back
+    for layer, reference in zip(split, dense, strict=True):
         assert_gradients_close(layer.merge_shards(layer.trainable_variables),
                                reference.get_weights())
     for i, device in enumerate(DEVICES[num_devices]):
@@ -346,6 +347,9 @@ def test_memory_report_arithmetic():
     assert data["parameters"] == weights and data["activations"] == 8 * activations_per_example
     tensor = mp.model_memory_report(model, keras.optimizers.SGD(momentum=0.9), 32, 2, "tensor")
     assert tensor["parameters"] == weights // 2 and tensor["optimizer_state"] == weights // 2
+    # Megatron pairs: the input and the row layer's output (256) are whole on every device
+    assert tensor["activations"] == 32 * 4 * (64 + 128 // 2 + 256 + 10 // 2)
+    assert tensor["total"] == 2 * (weights // 2) + weights // 2 + tensor["activations"]
     stage = mp.model_memory_report(model, keras.optimizers.SGD(), 32, 2, "stage")
     assert stage["optimizer_state"] == 0
     assert sum(stage["per_device_total"]) == 2 * weights + 32 * activations_per_example

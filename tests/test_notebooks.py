@@ -93,7 +93,8 @@ def test_timing_cells_and_only_they_ignore_output(path):
 # What a reader would try to open: a name with a file extension, a relative path (./, ../),
 # or a path under a directory such as notebooks/ or seeds/. URLs are removed first; prose like
 # "1/B" or "inf/nan" is not a path.
-PATH_LIKE = re.compile(r"(?<![\w/.:#-])((?:\.\.?/)*\w[\w.-]*(?:/[\w.-]+)*/?)(?:#[\w.-]*)?(?![\w/#])")
+PATH_LIKE = re.compile(
+    r"(?<![\w/.:#-])((?:\.\.?/)*\w[\w.-]*(?:/[\w.-]+)*/?)(?:#[\w.-]*)?(?![\w/#])")
 URL = re.compile(r"https?://\S+")
 EXTENSION = re.compile(r"\.(ipynb|py|md|txt|toml|cfg|json|yml|yaml|csv|sh)$")
 DIRECTORIES = re.compile(r"^(\.\.?/|(notebooks|gradtut|tests|binder|shared|seeds|docs|data)/)")
@@ -115,7 +116,8 @@ def test_every_file_a_notebook_mentions_is_in_the_repository(path):
         for name in mentioned_paths(text):
             if not any((base / name.rstrip("/")).exists() for base in (ROOT, path.parent)):
                 missing.add(name)
-    assert not missing, f"{path.name} mentions files that are not in the repository: {sorted(missing)}"
+    assert not missing, (f"{path.name} mentions files that are not in the repository: "
+                         f"{sorted(missing)}")
 
 
 def test_the_path_check_finds_paths_and_skips_urls():
@@ -123,13 +125,15 @@ def test_the_path_check_finds_paths_and_skips_urls():
             "https://github.com/a/b/issues/1; e.g. gradtut/per_example.py, ../shared/seeds/003, "
             "[the README](../README.md#set-up). Not 1/B, inf/nan or tensorflow/tensorflow#1.")
     assert mentioned_paths(text) == ["FIELD_NOTES.md", "notebooks/02_x.ipynb", "05_y.ipynb",
-                                     "gradtut/per_example.py", "../shared/seeds/003", "../README.md"]
+                                     "gradtut/per_example.py", "../shared/seeds/003",
+                                     "../README.md"]
 
 
 def test_binder_installs_what_requirements_txt_installs():
     def requirements(path):
         lines = (ROOT / path).read_text().splitlines()
-        return sorted(l.strip() for l in lines if l.strip() and not l.startswith(("#", "-e")))
+        return sorted(line.strip() for line in lines
+                      if line.strip() and not line.startswith(("#", "-e")))
 
     assert requirements("binder/requirements.txt") == requirements("requirements.txt")
     assert "pip install --no-deps -e ." in (ROOT / "binder/postBuild").read_text()

@@ -12,13 +12,22 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gradtut.checks import assert_gradients_close
 from gradtut.layer_rules import broadcast_matmul_hazards, onednn_enabled
-from gradtut.per_example import (METHODS, Plan, check_model, clipped_gradient, ghost_norm_plan,
-                                 make_clipped_sum, per_example_gradient_norms,
-                                 per_example_gradients, per_example_plan)
+from gradtut.per_example import (
+    METHODS,
+    Plan,
+    check_model,
+    clipped_gradient,
+    ghost_norm_plan,
+    make_clipped_sum,
+    per_example_gradient_norms,
+    per_example_gradients,
+    per_example_plan,
+)
 from model_zoo import LOSS, MODELS, batch_for
 
 FAST = [m for m in METHODS if m != "loop"]
@@ -40,7 +49,8 @@ def refusal(name, method, batch_size):
     if (name in ("attention", "transformer", "lora_attention") and method == "vectorized"
             and batch_size > 1
             and onednn_enabled()):  # [B, 1, T, d] @ [d, n] inside vectorized_map
-        return r"oneDNN.*tensorflow/tensorflow#117700.*multi_head_attention.*TF_ENABLE_ONEDNN_OPTS=0"
+        return (r"oneDNN.*tensorflow/tensorflow#117700.*multi_head_attention"
+                r".*TF_ENABLE_ONEDNN_OPTS=0")
     return None
 
 
@@ -93,7 +103,8 @@ def test_method_matches_loop(models, name, method, batch_size):
     expected = loop(model, x, y)
     assert [tuple(g.shape) for g in grads] == [(batch_size, *v.shape)
                                                for v in model.trainable_variables]
-    assert_gradients_close(grads, expected, **TOL, names=[v.path for v in model.trainable_variables])
+    assert_gradients_close(grads, expected, **TOL,
+                           names=[v.path for v in model.trainable_variables])
 
 
 @pytest.mark.parametrize("batch_size", BATCH_SIZES)
@@ -280,7 +291,8 @@ def test_mixed_bfloat16_gives_float32_gradients_close_to_the_loop(name):
     exact = loop(twin, x, y)  # float32 arithmetic: the reference bfloat16 approximates
     assert all(g.dtype == tf.float32 for g in got + clipped) and norms.dtype == tf.float32
     scale = max(float(np.max(np.abs(e))) for e in exact)
-    for g, e, f in zip(got, expected, exact):  # per variable, with a floor for zero gradients
+    # per variable, with a floor for zero gradients
+    for g, e, f in zip(got, expected, exact, strict=True):
         atol = 0.05 * max(float(np.max(np.abs(f))), 0.1 * scale)
         for reference in (e, f):
             assert_gradients_close(g, reference, rtol=0.05, atol=atol)
@@ -301,7 +313,7 @@ def test_noise_is_seeded_and_has_the_dp_sgd_scale(models):
     c = clipped_gradient(model, LOSS, x, y, l2_norm_clip=0.5, noise_multiplier=4.0, seed=8)
     assert_gradients_close(a, b, rtol=0, atol=0)
     assert not np.allclose(a[0], c[0])
-    noise = np.concatenate([(n - g).numpy().ravel() for n, g in zip(a, clean)])
+    noise = np.concatenate([(n - g).numpy().ravel() for n, g in zip(a, clean, strict=True)])
     expected_std = 4.0 * 0.5 / 8
     assert noise.size > 100
     assert abs(noise.std() / expected_std - 1) < 0.15
@@ -624,8 +636,9 @@ def test_seeded_noise_inside_a_tf_function_equals_the_eager_noise(models):
 def test_loop_needs_a_static_batch_size_and_says_how_to_give_one(models):
     model = models["mlp"]
     x, y = fresh("mlp", 3)
-    with pytest.raises(ValueError, match=r"method='loop' runs a Python loop.*unknown batch size.*"
-                                         r"input_signature with a fixed batch size.*method='map_fn'"):
+    with pytest.raises(ValueError,
+                       match=r"method='loop' runs a Python loop.*unknown batch size.*"
+                             r"input_signature with a fixed batch size.*method='map_fn'"):
         traced_call(model, "loop")(x, y)
     fixed = traced_call(model, "loop", signature_batch=3)
     assert_gradients_close(fixed(x, y), per_example_gradients(model, LOSS, x, y, "map_fn"), **TOL)
@@ -689,19 +702,22 @@ def test_a_loss_given_by_name_is_refused_with_the_loss_object_to_pass(models):
         clipped_gradient(models["mlp"], name, x, y, l2_norm_clip=1.0)
     with pytest.raises(ValueError, match=LOSS_BY_NAME):
         make_clipped_sum(models["mlp"], name)
-    with pytest.raises(ValueError, match=r"'mse'.*keras\.losses\.MeanSquaredError\(reduction=None\), or"):
+    with pytest.raises(ValueError,
+                       match=r"'mse'.*keras\.losses\.MeanSquaredError\(reduction=None\), or"):
         check_model(models["mlp"], "mse", training=False, method="outer")
-    with pytest.raises(TypeError, match=r"loss_fn must be a callable loss_fn\(y_true, y_pred\).*got 3"):
+    with pytest.raises(TypeError,
+                       match=r"loss_fn must be a callable loss_fn\(y_true, y_pred\).*got 3"):
         per_example_gradients(models["mlp"], 3, x, y)
 
 
 def test_what_is_not_a_keras_model_is_refused_with_the_fix(models):
     x, y = batch_for("mlp", 2)
     layers = models["mlp"].layers
-    with pytest.raises(TypeError, match=r"model must be a Keras model.*got list; wrap the layers in "
-                                        r"a model: keras\.Sequential\(layers\)"):
+    with pytest.raises(TypeError, match=r"model must be a Keras model.*got list; wrap the layers "
+                                        r"in a model: keras\.Sequential\(layers\)"):
         per_example_gradients(layers, LOSS, x, y)
-    with pytest.raises(TypeError, match=r"got function; a plain function has no trainable variables"):
+    with pytest.raises(TypeError,
+                       match=r"got function; a plain function has no trainable variables"):
         per_example_gradient_norms(lambda v: models["mlp"](v), LOSS, x, y)
     with pytest.raises(TypeError, match=r"got str; pass a built Keras model"):
         clipped_gradient("mlp", LOSS, x, y, l2_norm_clip=1.0)
@@ -756,8 +772,8 @@ def test_make_clipped_sum_is_the_sum_that_clipped_gradient_averages(models):
 
 def test_broadcast_matmul_hazards_needs_a_graph():
     fn = tf.function(lambda a: tf.linalg.matmul(a, tf.ones([8, 8])))
-    with pytest.raises(TypeError, match=r"graph must be a tf\.Graph, got Function \(a tf\.function: "
-                                        r"pass fn\.get_concrete_function\(\*args\)\.graph\)"):
+    with pytest.raises(TypeError, match=r"graph must be a tf\.Graph, got Function \(a tf\.function"
+                                        r": pass fn\.get_concrete_function\(\*args\)\.graph\)"):
         broadcast_matmul_hazards(fn)
     with pytest.raises(TypeError, match="graph must be a tf.Graph, got str$"):
         broadcast_matmul_hazards("graph")

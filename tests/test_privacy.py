@@ -10,8 +10,13 @@ from dp_accounting import pld, rdp
 
 from gradtut import privacy
 from gradtut.checks import assert_gradients_close
-from gradtut.privacy import (DPModel, epsilon, make_dp_train_step, noise_multiplier_for_epsilon,
-                             poisson_batches)
+from gradtut.privacy import (
+    DPModel,
+    epsilon,
+    make_dp_train_step,
+    noise_multiplier_for_epsilon,
+    poisson_batches,
+)
 from model_zoo import LOSS, MODELS, batch_for, strategy_with
 
 TOL = {"rtol": 1e-4, "atol": 1e-6}
@@ -41,7 +46,7 @@ def test_epsilon_at_many_step_counts_is_dp_accountings():
     sigma, q = 0.9, 0.02
     counts = [1, 7, 100, 2500, 7]
     got = [epsilon(sigma, q, n, 1e-5) for n in counts]
-    for n, value in zip(counts, got):
+    for n, value in zip(counts, got, strict=True):
         account = rdp.RdpAccountant()
         account.compose(event(sigma, q, n))
         assert value == account.get_epsilon(1e-5)  # the same floating-point operations
@@ -56,7 +61,7 @@ def test_epsilon_agrees_with_the_published_mnist_figure():
     account = rdp.RdpAccountant(orders)
     account.compose(event(MNIST["noise_multiplier"], MNIST["sample_rate"], MNIST["steps"]))
     classic = min(r + np.log(1 / MNIST["delta"]) / (a - 1)
-                  for a, r in zip(orders, account.rdp))
+                  for a, r in zip(orders, account.rdp, strict=True))
     assert 2.9 <= classic <= 3.05
     # dp_accounting's tighter RDP conversion and PLD give less for the same training
     tighter = epsilon(**MNIST)
@@ -109,11 +114,15 @@ def test_noise_multiplier_for_epsilon_is_the_smallest_to_a_tenth_of_a_percent(
     (lambda: epsilon(1.0, 0.1, 0, 1e-5), "steps must be a positive int"),
     (lambda: epsilon(1.0, 0.1, 10, 1e-5, "moments"), "unknown accountant"),
     (lambda: noise_multiplier_for_epsilon(0.0, 0.1, 10, 1e-5), "target_epsilon must be positive"),
-    (lambda: noise_multiplier_for_epsilon(0.01, 1.0, 10_000, 1e-9), r"out of reach: even .* gives epsilon"),
+    (lambda: noise_multiplier_for_epsilon(0.01, 1.0, 10_000, 1e-9),
+     r"out of reach: even .* gives epsilon"),
     (lambda: noise_multiplier_for_epsilon(1e20, 0.01, 10, 1e-5), "does not bound the noise"),
-    (lambda: next(poisson_batches(np.zeros((4, 2)), np.zeros(4), 0.0, 0)), "sample_rate must be in"),
-    (lambda: next(poisson_batches(np.zeros((4, 2)), np.zeros(3), 0.5, 0)), "4 examples but y has 3"),
-    (lambda: DPModel(keras.Sequential([keras.layers.Dense(1)]), 0.0, 1.0, 8), "l2_norm_clip must be positive"),
+    (lambda: next(poisson_batches(np.zeros((4, 2)), np.zeros(4), 0.0, 0)),
+     "sample_rate must be in"),
+    (lambda: next(poisson_batches(np.zeros((4, 2)), np.zeros(3), 0.5, 0)),
+     "4 examples but y has 3"),
+    (lambda: DPModel(keras.Sequential([keras.layers.Dense(1)]), 0.0, 1.0, 8),
+     "l2_norm_clip must be positive"),
 ])
 def test_accounting_refuses_bad_arguments_with_the_fix(call, match):
     with pytest.raises(ValueError, match=match):
@@ -133,7 +142,7 @@ def clipped_by_hand(model, x, y, clip, expected_batch_size):
             loss = LOSS(y[i:i + 1], model(xi, training=True))[0]
         grads = [tf.convert_to_tensor(g).numpy() for g in tape.gradient(loss, variables)]
         norm = np.sqrt(sum(np.sum(g.astype("float64") ** 2) for g in grads))
-        total = [t + g * min(1.0, clip / norm) for t, g in zip(total, grads)]
+        total = [t + g * min(1.0, clip / norm) for t, g in zip(total, grads, strict=True)]
     return [t / expected_batch_size for t in total]
 
 
@@ -165,7 +174,8 @@ def test_dp_step_without_noise_equals_clipping_each_example_with_a_tape(name):
     optimizer = keras.optimizers.SGD(0.5)
     for xb, yb in batches:  # the reference runs after the method under test
         grads = clipped_by_hand(reference, xb, yb, 0.3, 6)
-        optimizer.apply([tf.constant(g, v.dtype) for g, v in zip(grads, reference.trainable_variables)],
+        optimizer.apply([tf.constant(g, v.dtype)
+                         for g, v in zip(grads, reference.trainable_variables, strict=True)],
                         reference.trainable_variables)
     assert sizes == [len(yb) for _, yb in batches]
     assert_gradients_close(model.trainable_variables, reference.trainable_variables, **TOL)
@@ -235,8 +245,8 @@ def test_seeds_make_runs_repeatable():
         return [v.numpy() for v in model.trainable_variables]
 
     first, again, other = run(7), run(7), run(8)
-    assert all(np.array_equal(a, b) for a, b in zip(first, again))
-    assert not all(np.array_equal(a, b) for a, b in zip(first, other))
+    assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=True))
+    assert not all(np.array_equal(a, b) for a, b in zip(first, other, strict=True))
 
 
 def test_dp_model_under_mirrored_strategy_equals_one_device():
@@ -356,7 +366,8 @@ def test_accounting_arguments_must_be_numbers_and_steps_an_int():
         epsilon(1.0, 0.1, 10, "1e-5")
     with pytest.raises(ValueError, match=r"noise_multiplier must be a real number.*got None"):
         epsilon(None, 0.1, 10, 1e-5)
-    with pytest.raises(ValueError, match=r"sample_rate must be a real number.*array of shape \(2,\)"):
+    with pytest.raises(ValueError,
+                       match=r"sample_rate must be a real number.*array of shape \(2,\)"):
         noise_multiplier_for_epsilon(3.0, np.array([0.1, 0.2]), 10, 1e-5)
     with pytest.raises(ValueError, match=r"target_epsilon must be a real number.*got '3'"):
         noise_multiplier_for_epsilon("3", 0.1, 10, 1e-5)
@@ -411,7 +422,8 @@ def test_dp_step_arguments_get_errors_that_name_the_fix():
 
 def test_dp_model_arguments_get_errors_that_name_the_fix():
     model = build("mlp")
-    with pytest.raises(TypeError, match=r"model must be a Keras model.*got list.*keras\.Sequential"):
+    with pytest.raises(TypeError,
+                       match=r"model must be a Keras model.*got list.*keras\.Sequential"):
         DPModel(model.layers, 1.0, 1.0, 8)
     with pytest.raises(ValueError, match=r"l2_norm_clip must be a real number.*got '1.0'"):
         DPModel(model, "1.0", 1.0, 8)

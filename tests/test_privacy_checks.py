@@ -9,12 +9,20 @@ import pytest
 import scipy.special
 import scipy.stats
 import tensorflow as tf
+from test_privacy import clipped_by_hand
 
 from gradtut.checks import assert_gradients_close
-from gradtut.privacy import (DPModel, CanaryAudit, PrivacyBudget, audit_from_scores,
-                             audit_p_value, epsilon, epsilon_lower_bound, poisson_batches)
+from gradtut.privacy import (
+    CanaryAudit,
+    DPModel,
+    PrivacyBudget,
+    audit_from_scores,
+    audit_p_value,
+    epsilon,
+    epsilon_lower_bound,
+    poisson_batches,
+)
 from model_zoo import LOSS, batch_for
-from test_privacy import clipped_by_hand
 
 TOL = {"rtol": 1e-4, "atol": 1e-6}
 
@@ -141,7 +149,8 @@ def test_dp_model_saves_and_loads_and_training_resumes_with_the_next_noise(tmp_p
     assert type(back) is DPModel
     assert (back.l2_norm_clip, back.noise_multiplier, back.expected_batch_size) == (1.0, 0.7, 8)
     assert back.dp_steps == 2
-    assert all(np.array_equal(a, b) for a, b in zip(back.get_weights(), dp.get_weights()))
+    assert all(np.array_equal(a, b)
+               for a, b in zip(back.get_weights(), dp.get_weights(), strict=True))
     assert ("seed" in back.get_config()) == (seed is not None)
     dp.fit(x[:8], y[:8], batch_size=8, epochs=1, verbose=0)   # step 3 of the original
     back.fit(x[:8], y[:8], batch_size=8, epochs=1, verbose=0)  # step 3 after loading
@@ -279,7 +288,8 @@ def test_the_audit_adds_each_sampled_canary_once_and_scores_it_exactly():
     # the reference: which canaries this step samples, from the same stateless draw
     draw = tf.random.stateless_uniform([20], tf.stack([canaries.seed, step])).numpy()
     sampled = (draw < 0.5) & canaries.included
-    added = np.concatenate([(w - d).numpy().ravel() for w, d in zip(with_canaries, data)])
+    added = np.concatenate([(w - d).numpy().ravel()
+                            for w, d in zip(with_canaries, data, strict=True)])
     assert np.count_nonzero(added) == sampled.sum()
     assert sorted(added[added != 0]) == pytest.approx([2.0] * sampled.sum())
     # released without noise: each sampled canary shows its full size C, the others nothing,
@@ -294,7 +304,7 @@ def test_the_audit_adds_each_sampled_canary_once_and_scores_it_exactly():
     bump = np.where(added != 0, 3.0, 0.0)
     parts = np.split(bump, [30])
     canaries.observe([w + tf.constant(b.reshape(w.shape), tf.float32)
-                      for w, b in zip(with_canaries, parts)], data)
+                      for w, b in zip(with_canaries, parts, strict=True)], data)
     again = np.log(0.5 + 0.5 * np.exp(mu * (2.0 + 3.0) / (1.5 * 2.0) - mu**2 / 2))
     assert canaries.scores.numpy() - scores == pytest.approx(np.where(sampled, again, low),
                                                              rel=1e-5)

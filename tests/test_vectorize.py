@@ -7,8 +7,18 @@ import pytest
 import tensorflow as tf
 
 from gradtut.checks import assert_gradients_close
-from gradtut.vectorize import (VectorizationReport, batch_jacobian, completeness_gap,
-                               input_gradients, integrated_gradients, vectorization_report)
+from gradtut.vectorize import (
+    VectorizationReport,
+    batch_jacobian,
+    completeness_gap,
+    input_gradients,
+    integrated_gradients,
+    make_batched_input_gradient,
+    make_per_example_input_gradient,
+    map_fn_timings,
+    threading_timings,
+    vectorization_report,
+)
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -89,7 +99,10 @@ def test_batch_jacobian_rows_are_per_example_gradients(name, use_pfor):
 def test_integrated_gradients_are_complete(name):
     x = inputs(name, 4, seed=1)
     labels = np.array([0, 1, 2, 3])
-    f = lambda v: model(name)(v).numpy()[np.arange(4), labels]
+
+    def f(v):
+        return model(name)(v).numpy()[np.arange(4), labels]
+
     delta = f(x) - f(np.zeros_like(x))
     attributions = integrated_gradients(model(name), x, target=labels, steps=64, batch_size=50)
     assert attributions.shape == x.shape
@@ -248,7 +261,8 @@ def test_a_model_that_sums_over_the_batch_is_refused():
 @pytest.mark.parametrize("layer", [CumsumOverBatch, MixesTheBatch])
 def test_batch_size_one_computes_each_example_alone_as_the_refusal_advises(layer):
     keras.utils.set_random_seed(2)
-    mixing = keras.Sequential([keras.Input((12,)), layer(), keras.layers.Dense(3, activation="tanh")])
+    mixing = keras.Sequential([keras.Input((12,)), layer(),
+                               keras.layers.Dense(3, activation="tanh")])
     x = inputs("mlp", 4, seed=3)
     expected = tape_per_example(mixing, x, lambda out, i: out[1])  # each example alone
     assert_gradients_close(input_gradients(mixing, x, target=1, batch_size=1), expected, **TOL)
@@ -259,7 +273,8 @@ def test_batch_size_one_computes_each_example_alone_as_the_refusal_advises(layer
 def test_what_is_not_a_model_is_refused_and_a_plain_function_is_accepted():
     x = inputs("mlp", 3)
     layers = [keras.layers.Dense(2)]
-    with pytest.raises(TypeError, match=r"model must be a Keras model.*got list.*keras.Sequential\(layers\)"):
+    with pytest.raises(TypeError,
+                       match=r"model must be a Keras model.*got list.*keras.Sequential\(layers\)"):
         input_gradients(layers, x, target=0)
     with pytest.raises(TypeError, match=r"got str; pass a Keras model"):
         batch_jacobian("mlp", x)
@@ -321,7 +336,8 @@ def test_calls_inside_a_tf_function_are_refused_with_the_fix():
     def traced(v):
         return input_gradients(model("mlp"), v, target=0)
 
-    with pytest.raises(ValueError, match="input_gradients runs eagerly.*Call it outside the tf.function"):
+    with pytest.raises(ValueError,
+                       match="input_gradients runs eagerly.*Call it outside the tf.function"):
         traced(tf.constant(inputs("mlp", 3)))
 
 
@@ -346,3 +362,38 @@ def test_a_report_that_contradicts_itself_is_refused():
         VectorizationReport(False, "Conv2DBackpropFilter", [], None)
     with pytest.raises(ValueError, match="vectorized must be a bool, got 1"):
         VectorizationReport(1, [], [], None)
+
+
+# ----------------------------------------------- map_fn against one batched pass (section 5)
+
+
+def test_one_example_and_the_batched_input_gradient_match_a_tape_per_example():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, activation="tanh"),
+                              keras.layers.Dense(3)])
+    x = np.random.default_rng(3).normal(size=(5, 4)).astype("float32")
+    one = make_per_example_input_gradient(model)
+    got_one = np.stack([one(xi).numpy() for xi in x])
+    got_batched = make_batched_input_gradient(model)(tf.constant(x)).numpy()
+    expected = []
+    for xi in x:  # the reference, computed after
+        xi = tf.constant(xi[None])
+        with tf.GradientTape() as tape:
+            tape.watch(xi)
+            value = tf.reduce_sum(model(xi))
+        expected.append(tape.gradient(value, xi)[0].numpy())
+    np.testing.assert_allclose(got_one, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_batched, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_map_fn_workloads_refuse_bad_input():
+    with pytest.raises(TypeError, match="does not take those arguments"):
+        make_per_example_input_gradient(lambda x: x)
+    with pytest.raises(TypeError, match="model must be a Keras model"):
+        make_batched_input_gradient([keras.layers.Dense(2)])
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="parallel_iterations must be a positive int"):
+        map_fn_timings(model, [[0.0, 0.0, 0.0]], parallel_iterations=(0,))
+    with pytest.raises(ValueError, match="x has no examples"):
+        map_fn_timings(model, [])
+    with pytest.raises(ValueError, match="repeats must be a positive int"):
+        threading_timings(repeats=0)

@@ -45,8 +45,12 @@ def _default_device():
 def _per_example(quick):
     import gradtut
     gradtut.setup(seed=0)
-    from gradtut.bench.per_example import (ALL, benchmark_dp_step, benchmark_keras_hub,
-                                           benchmark_per_example)
+    from gradtut.bench.per_example import (
+        ALL,
+        benchmark_dp_step,
+        benchmark_keras_hub,
+        benchmark_per_example,
+    )
 
     methods = (["vectorized", "outer", "ghost norms", "clipped", "matmul floor"] if quick
                else list(ALL))
@@ -56,7 +60,8 @@ def _per_example(quick):
                 "batch gradient") for r in rows if r["method"] != "batch gradient"]
     # outer against the batched matmuls that write its kernels, from the same rounds
     medians = {(r["method"], r["batch_size"]): r["median_ms"] for r in rows}
-    out += [_row(f"outer over its matmul floor, batch {b}", ms, "ms", ms / medians["matmul floor", b],
+    out += [_row(f"outer over its matmul floor, batch {b}", ms, "ms",
+                 ms / medians["matmul floor", b],
                  "matmul floor") for (m, b), ms in medians.items()
             if m == "outer" and ("matmul floor", b) in medians]
     # The one-pass methods on a CNN and a transformer, at batch 256 (vectorized_map is refused
@@ -133,8 +138,13 @@ def _pipeline(quick):
     import keras
     import numpy as np
 
-    from gradtut.model_parallel import (bubble_fraction, pipeline_gradients, place_stages,
-                                        simulate_pipeline, stage_times)
+    from gradtut.model_parallel import (
+        bubble_fraction,
+        pipeline_gradients,
+        place_stages,
+        simulate_pipeline,
+        stage_times,
+    )
 
     width, batch = (1024, 512) if quick else (1024, 1024)
     keras.utils.set_random_seed(0)
@@ -178,8 +188,12 @@ def _efficiency(quick):
     import numpy as np
     import tensorflow as tf
 
-    from gradtut.efficiency import (accumulated_gradients, checkpointed, compare_compilation,
-                                    peak_memory)
+    from gradtut.efficiency import (
+        accumulated_gradients,
+        checkpointed,
+        compare_compilation,
+        peak_memory,
+    )
 
     keras.utils.set_random_seed(0)
     width, depth, batch = (512, 8, 1024) if quick else (512, 8, 2048)

@@ -4,6 +4,7 @@ step (notebook 01, and the ``per_example`` section of ``python -m gradtut bench`
 Every figure is a median over ``repeats`` interleaved rounds, and every ratio is against the
 plain batch gradient (one backward pass of the mean loss) measured in the same rounds.
 """
+import functools
 import warnings
 
 import keras
@@ -12,8 +13,8 @@ import tensorflow as tf
 
 from gradtut.checks import check_int
 from gradtut.measure import compare_timings
-from gradtut.per_example import (clipped_gradient, per_example_gradient_norms,
-                                 per_example_gradients)
+from gradtut.models import MODELS, bert_classifier, make_batch_gradient, mlp
+from gradtut.per_example import clipped_gradient, per_example_gradient_norms, per_example_gradients
 
 ALL = ("loop", "map_fn", "vectorized", "jacobian", "outer", "ghost norms", "clipped",
        "write floor", "matmul floor")
@@ -21,71 +22,11 @@ SLOW = ("loop", "jacobian")
 REFERENCE = "batch gradient"
 
 
-def _check_sizes(**sizes):
-    for name, value in sizes.items():
-        check_int(value, name, minimum=0 if name == "seed" else 1)
-
-
-def mlp(input_dim=784, hidden=256, classes=10, seed=0):
-    """The benchmark model: Dense(hidden, relu) -> Dense(classes) logits, built on ``input_dim``.
-    (Every size is a positive int, ``seed`` an int >= 0; ValueError otherwise.)"""
-    _check_sizes(input_dim=input_dim, hidden=hidden, classes=classes, seed=seed)
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((input_dim,)), keras.layers.Dense(hidden, activation="relu"),
-                             keras.layers.Dense(classes)])
-
-
-def cnn(classes=10, seed=0):
-    """A small CNN on 8x8x1 digit images: two convolutions (the second strided), then Dense.
-    (``classes`` a positive int, ``seed`` an int >= 0; ValueError otherwise.)"""
-    _check_sizes(classes=classes, seed=seed)
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential([
-        keras.Input((8, 8, 1)),
-        keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
-        keras.layers.Conv2D(32, 3, strides=2, padding="same", activation="relu"),
-        keras.layers.Flatten(),
-        keras.layers.Dense(classes)])
-
-
-def transformer(classes=10, seed=0, width=32, heads=2):
-    """A tiny transformer on 8x8 digit images read as 8 tokens of 8 pixels: a token embedding,
-    one pre-norm block (multi-head attention, LayerNormalization, a feed-forward block),
-    mean pooling, Dense logits. (Sizes positive ints, ``seed`` an int >= 0, and ``width``
-    divisible by ``heads``; ValueError otherwise.)"""
-    _check_sizes(classes=classes, seed=seed, width=width, heads=heads)
-    if width % heads:
-        raise ValueError(f"width {width} does not split into {heads} heads: choose a width "
-                         "divisible by heads")
-    keras.utils.set_random_seed(seed)
-    tokens = keras.Input((8, 8))
-    h = keras.layers.Dense(width)(tokens)
-    a = keras.layers.LayerNormalization()(h)
-    h = h + keras.layers.MultiHeadAttention(heads, width // heads)(a, a)
-    f = keras.layers.LayerNormalization()(h)
-    h = h + keras.layers.Dense(width)(keras.layers.Dense(2 * width, activation="gelu")(f))
-    return keras.Model(tokens, keras.layers.Dense(classes)(
-        keras.layers.GlobalAveragePooling1D()(h)))
-
-
-MODELS = {"mlp": ((784,), mlp), "cnn": ((8, 8, 1), cnn), "transformer": ((8, 8), transformer)}
-
-
 def _model_entry(model):
     """``(input shape, builder)`` of a benchmark model by name, or a clear error."""
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")
     return MODELS[model]
-
-
-def _batch_gradient_fn(model, loss_fn):
-    @tf.function(reduce_retracing=True)
-    def batch_gradient(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(loss_fn(y, model(x)))
-        return tape.gradient(loss, model.trainable_variables)
-
-    return batch_gradient
 
 
 def _write_floor_fn(model):
@@ -152,27 +93,29 @@ def benchmark_per_example(batch_sizes=(32, 256, 1024), methods=ALL, repeats=5,
         net = build(classes)
     model = net
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-    batch_gradient = _batch_gradient_fn(model, loss_fn)
+    batch_gradient = make_batch_gradient(model, loss_fn)
     write_floor = _write_floor_fn(model)
     rng = np.random.default_rng(0)
     rows = []
     for batch in batch_sizes:
         x = tf.constant(rng.normal(size=(batch, *shape)).astype("float32"))
         y = tf.constant(rng.integers(0, classes, size=batch))
-        calls = {REFERENCE: lambda: batch_gradient(x, y)}
+        calls = {REFERENCE: functools.partial(batch_gradient, x, y)}
         for method in methods:
             if method in SLOW and slow_max_batch is not None and batch > slow_max_batch:
                 continue
             if method == "ghost norms":
-                calls[method] = lambda: per_example_gradient_norms(model, loss_fn, x, y)
+                calls[method] = functools.partial(per_example_gradient_norms, model, loss_fn, x, y)
             elif method == "write floor":
-                calls[method] = lambda: write_floor(tf.constant(batch))
+                calls[method] = functools.partial(write_floor, tf.constant(batch))
             elif method == "matmul floor":
                 calls[method] = _matmul_floor_fn(model, batch)
             elif method == "clipped":
-                calls[method] = lambda: clipped_gradient(model, loss_fn, x, y, l2_norm_clip=1.0)
+                calls[method] = functools.partial(clipped_gradient, model, loss_fn, x, y,
+                                                  l2_norm_clip=1.0)
             else:
-                calls[method] = lambda m=method: per_example_gradients(model, loss_fn, x, y, m)
+                calls[method] = functools.partial(per_example_gradients, model, loss_fn, x, y,
+                                                  method)
         for t in compare_timings(calls, reference=REFERENCE, warmup=1, repeats=repeats):
             rows.append({"method": t.name, "batch_size": batch, "median_ms": t.median_ms,
                          "min_ms": 1e3 * t.min_s, "max_ms": 1e3 * t.max_s, "ratio": t.ratio})
@@ -233,38 +176,6 @@ def benchmark_dp_step(model="mlp", batch_size=256, repeats=7, noise_multiplier=1
             "parameters": int(sum(np.prod(v.shape) for v in private.model.trainable_variables))}
 
 
-def bert_classifier(lora_rank=None, layers=2, hidden=128, steps=64, vocabulary=1000, classes=3,
-                    seed=0):
-    """KerasHub's ``BertBackbone`` from a config (random weights, nothing downloaded), mean over
-    tokens, ``Dense(classes)``; with ``lora_rank``, ``backbone.enable_lora(lora_rank)`` (Keras
-    LoRA on the attention's query and value, everything else in the backbone frozen).
-    Inputs: ``{"token_ids", "segment_ids", "padding_mask"}``, each ``[B, steps]`` int32.
-    Needs KerasHub (``pip install -r requirements-dev.txt``).
-
-    Raises:
-      ValueError: a size that is not a positive int, a ``seed`` that is not an int >= 0, or a
-        ``hidden`` that does not split into 2 heads.
-    """
-    import keras_hub  # pylint: disable=import-outside-toplevel
-
-    _check_sizes(layers=layers, hidden=hidden, steps=steps, vocabulary=vocabulary,
-                 classes=classes, seed=seed)
-    if lora_rank is not None:
-        check_int(lora_rank, "lora_rank")
-    if hidden % 2:
-        raise ValueError(f"hidden {hidden} does not split into 2 heads: choose an even hidden")
-    keras.utils.set_random_seed(seed)
-    backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=vocabulary, num_layers=layers, num_heads=2, hidden_dim=hidden,
-        intermediate_dim=4 * hidden, max_sequence_length=steps, dropout=0.0)
-    if lora_rank is not None:
-        backbone.enable_lora(lora_rank)
-    inputs = {name: keras.Input((steps,), dtype="int32", name=name)
-              for name in ("token_ids", "segment_ids", "padding_mask")}
-    pooled = keras.layers.GlobalAveragePooling1D()(backbone(inputs)["sequence_output"])
-    return keras.Model(inputs, keras.layers.Dense(classes)(pooled))
-
-
 def benchmark_keras_hub(lora_rank=None, batch_size=64, steps=64, repeats=7):
     """The one-pass methods on :func:`bert_classifier` (2 layers, hidden 128) against the same
     model's batch gradient, in interleaved rounds, and the allocator's peak memory of the
@@ -282,10 +193,11 @@ def benchmark_keras_hub(lora_rank=None, batch_size=64, steps=64, repeats=7):
     """
     from gradtut.measure import peak_memory_bytes  # pylint: disable=import-outside-toplevel
 
-    _check_sizes(batch_size=batch_size, steps=steps, repeats=repeats)
+    for name, value in (("batch_size", batch_size), ("steps", steps), ("repeats", repeats)):
+        check_int(value, name)
     model = bert_classifier(lora_rank, steps=steps)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-    batch_gradient = _batch_gradient_fn(model, loss_fn)
+    batch_gradient = make_batch_gradient(model, loss_fn)
     rng = np.random.default_rng(0)
     x = {"token_ids": tf.constant(rng.integers(1, 1000, (batch_size, steps)), tf.int32),
          "segment_ids": tf.constant(rng.integers(0, 2, (batch_size, steps)), tf.int32),

@@ -45,26 +45,51 @@ One module per layer family, as Opacus's ``grad_sample/``:
 from gradtut.layer_rules.conv import ONE_HOT_PATCH_LIMIT, conv_patches
 from gradtut.layer_rules.dense import DenseRule
 from gradtut.layer_rules.einsum_dense import EinsumDenseRule
-from gradtut.layer_rules.embedding import (EmbeddingRule, PositionEmbeddingRule,
-                                           ReversibleEmbeddingRule)
-from gradtut.layer_rules.engine import (covered_layers, ghost_sq_norms_of, layer_paths, one_pass,
-                                        per_example_of, recording, squared_norms,
-                                        warn_unreached, weighted_sum_of)
+from gradtut.layer_rules.embedding import (
+                                           EmbeddingRule,
+                                           PositionEmbeddingRule,
+                                           ReversibleEmbeddingRule,
+)
+from gradtut.layer_rules.engine import (
+                                           covered_layers,
+                                           ghost_sq_norms_of,
+                                           layer_paths,
+                                           one_pass,
+                                           per_example_of,
+                                           recording,
+                                           squared_norms,
+                                           warn_unreached,
+                                           weighted_sum_of,
+)
 from gradtut.layer_rules.local import LocalRule, is_recurrent, owned_trainable
 from gradtut.layer_rules.lora import LoraRule
-from gradtut.layer_rules.normalization import (GroupNormalizationRule, LayerNormalizationRule,
-                                               RMSNormalizationRule)
-from gradtut.layer_rules.onednn import (broadcast_matmul_hazards, is_broadcast_matmul_hazard,
-                                        onednn_enabled)
-from gradtut.layer_rules.registry import (LayerRule, class_path, explain, register_rule,
-                                          registry_version, rule_for, unregister_rule)
+from gradtut.layer_rules.normalization import (
+                                           GroupNormalizationRule,
+                                           LayerNormalizationRule,
+                                           RMSNormalizationRule,
+)
+from gradtut.layer_rules.onednn import (
+                                           broadcast_matmul_hazards,
+                                           is_broadcast_matmul_hazard,
+                                           onednn_enabled,
+)
+from gradtut.layer_rules.registry import (
+                                           LayerRule,
+                                           class_path,
+                                           explain,
+                                           register_rule,
+                                           registry_version,
+                                           rule_for,
+                                           unregister_rule,
+)
 
 __all__ = [
     "ONE_HOT_PATCH_LIMIT", "DenseRule", "EinsumDenseRule", "EmbeddingRule",
     "GroupNormalizationRule", "LayerNormalizationRule", "LayerRule", "LocalRule", "LoraRule",
     "PositionEmbeddingRule", "RMSNormalizationRule", "ReversibleEmbeddingRule",
     "broadcast_matmul_hazards", "class_path", "conv_patches", "covered_layers", "explain",
-    "ghost_sq_norms_of", "is_broadcast_matmul_hazard", "is_recurrent", "layer_paths", "onednn_enabled", "one_pass",
+    "ghost_sq_norms_of", "is_broadcast_matmul_hazard", "is_recurrent", "layer_paths",
+    "onednn_enabled", "one_pass",
     "owned_trainable", "per_example_of", "recording", "register_rule", "registry_version",
     "rule_for", "squared_norms", "unregister_rule", "warn_unreached", "weighted_sum_of",
 ]

@@ -15,7 +15,8 @@ def _rows(t, width):
 
 
 def _gram_sq_norm(a, g):
-    """``||sum_t a_t g_t^T||^2 = sum_ts (a_t . a_s)(g_t . g_s)`` for ``a [B,T,m]``, ``g [B,T,n]``."""
+    """``||sum_t a_t g_t^T||^2 = sum_ts (a_t . a_s)(g_t . g_s)`` for ``a [B,T,m]``,
+    ``g [B,T,n]``."""
     if a.shape[1] == 1:  # Goodfellow: ||a g^T||^2 = ||a||^2 ||g||^2
         return tf.reduce_sum(tf.square(a[:, 0]), 1) * tf.reduce_sum(tf.square(g[:, 0]), 1)
     return tf.reduce_sum(tf.einsum("bti,bsi->bts", a, a) * tf.einsum("btj,bsj->bts", g, g),

@@ -5,10 +5,14 @@ import math
 import keras
 import tensorflow as tf
 
-from gradtut.layer_rules.common import (_apply_activation, _channels_last, _ghost_is_cheaper,
-                                        _gram_sq_norm, _rows)
+from gradtut.layer_rules.common import (
+    _apply_activation,
+    _channels_last,
+    _ghost_is_cheaper,
+    _gram_sq_norm,
+    _rows,
+)
 from gradtut.layer_rules.registry import LayerRule, register_rule
-
 
 ONE_HOT_PATCH_LIMIT = 64
 
@@ -86,7 +90,8 @@ class _ConvRule(LayerRule):
             z = keras.ops.conv(inputs, kernel, strides=list(layer.strides), padding=padding,
                                dilation_rate=layer.dilation_rate, data_format=layer.data_format)
         if layer.use_bias:
-            shape = ((1,) * (layer.rank + 1) + (layer.filters,) if layer.data_format == "channels_last"
+            shape = ((1,) * (layer.rank + 1) + (layer.filters,)
+                     if layer.data_format == "channels_last"
                      else (1, layer.filters) + (1,) * layer.rank)
             z = z + tf.reshape(tf.cast(layer.bias, z.dtype), shape)
         return _apply_activation(layer, z), (inputs, padding), z

@@ -3,8 +3,13 @@
 import keras
 import tensorflow as tf
 
-from gradtut.layer_rules.common import (_apply_activation, _ghost_is_cheaper, _gram_sq_norm,
-                                        _outer_products, _rows)
+from gradtut.layer_rules.common import (
+    _apply_activation,
+    _ghost_is_cheaper,
+    _gram_sq_norm,
+    _outer_products,
+    _rows,
+)
 from gradtut.layer_rules.lora import LoraCapable
 from gradtut.layer_rules.registry import LayerRule, register_rule
 

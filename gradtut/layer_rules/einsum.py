@@ -27,7 +27,8 @@ def parse(equation):
       ('btd', 'dhk', 'bthk')
     """
     if not isinstance(equation, str):
-        raise TypeError(f"equation must be an einsum string 'I,K->O', got {type(equation).__name__}")
+        raise TypeError("equation must be an einsum string 'I,K->O', got "
+                        f"{type(equation).__name__}")
     try:
         inputs, rest = equation.split(",")
         kernel, out = rest.split("->")
@@ -81,7 +82,7 @@ def ghost(equation, kernel_shape, steps):
     if axes is None:
         return False
     _, kernel, _ = parse(equation)
-    size = dict(zip(kernel, kernel_shape))
+    size = dict(zip(kernel, kernel_shape, strict=True))
     m = math.prod(size[c] for c in axes[1])
     n = math.prod(size[c] for c in axes[2])
     return _ghost_is_cheaper(steps, m, n)
@@ -92,9 +93,9 @@ def sq_norms(equation, a, g, kernel_shape):
     not apply or costs more than materialising.
 
     Example:
-      >>> a, g = tf.ones([2, 2, 3]), tf.ones([2, 2, 4])  # 2 positions: 2 * 2^2 <= 3 * 4
-      >>> sq_norms("bti,ij->btj", a, g, (3, 4)).numpy().tolist()  # 12 entries, each 2
-      [48.0, 48.0]
+      >>> a, g = tf.ones([2, 2, 8]), tf.ones([2, 2, 8])  # 2 positions: 2 * 2^2 <= 8 * 8 > 2 * 16
+      >>> sq_norms("bti,ij->btj", a, g, (8, 8)).numpy().tolist()  # 64 entries, each 2
+      [256.0, 256.0]
       >>> sq_norms("bti,ij->btj", tf.ones([2, 5, 3]), tf.ones([2, 5, 4]), (3, 4)) is None
       True
     """
@@ -104,7 +105,7 @@ def sq_norms(equation, a, g, kernel_shape):
     shared, k_in, k_out = axes
     inputs, kernel, out = parse(equation)
     b = inputs[0]
-    size = dict(zip(kernel, kernel_shape))
+    size = dict(zip(kernel, kernel_shape, strict=True))
     m = math.prod(size[c] for c in k_in)
     n = math.prod(size[c] for c in k_out)
     a = tf.einsum(f"{inputs}->{b}{shared}{k_in}", a)

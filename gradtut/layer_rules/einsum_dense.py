@@ -1,4 +1,5 @@
-"""Rule for ``EinsumDense`` (the attention projections), with Keras LoRA (notebook 01, section 10)."""
+"""Rule for ``EinsumDense`` (the attention projections), with Keras LoRA (notebook 01,
+section 10)."""
 import keras
 import tensorflow as tf
 
@@ -58,7 +59,7 @@ class EinsumDenseRule(LoraCapable, LayerRule):
         if axes is None:
             return None
         inputs, _, _ = einsum.parse(layer.equation)
-        size = dict(zip(inputs, input_shape))
+        size = dict(zip(inputs, input_shape, strict=True))
         steps = 1
         for c in axes[0]:
             steps = None if size.get(c) is None or steps is None else steps * size[c]

@@ -205,10 +205,10 @@ def _one_pass(model, per_example_losses, units, persistent):
     grads = tape.gradient(total, [z for _, _, _, z in calls] + outside)
     grads, outside_grads = grads[:len(calls)], grads[len(calls):]
     by_layer = {}
-    for (layer, rule, a, z), g in zip(calls, grads):
+    for (layer, rule, a, z), g in zip(calls, grads, strict=True):
         if isinstance(rule, LocalRule):  # one gradient per floating output
             g = None if all(t is None for t in g) else [
-                tf.zeros_like(zi) if t is None else t for t, zi in zip(g, z)]
+                tf.zeros_like(zi) if t is None else t for t, zi in zip(g, z, strict=True)]
         by_layer.setdefault(id(layer), (layer, rule, []))[2].append((a, g))
     layers = []
     for layer, rule, pairs in by_layer.values():
@@ -223,10 +223,10 @@ def _one_pass(model, per_example_losses, units, persistent):
     covered = {id(v) for layer, rule, _ in layers for v in rule.variables(layer)}
     # Variables of a called unit none of whose calls reached the loss get no gradient; the
     # others outside every call were differentiated above, in the same backward pass.
-    by_id = {id(v): g for v, g in zip(outside, outside_grads)}
+    by_id = {id(v): g for v, g in zip(outside, outside_grads, strict=True)}
     others = [v for v in model.trainable_variables if id(v) not in covered]
     reached = [by_id.get(id(v)) for v in others]
-    rest = [v for v, g in zip(others, reached) if g is not None]
+    rest = [v for v, g in zip(others, reached, strict=True) if g is not None]
     if rest and not persistent:  # a unit's variable read outside its (uncalled) layer: again,
         del tape                 # keeping the tape; this pass's results are not used
         return _one_pass(model, per_example_losses, units, persistent=True)
@@ -234,12 +234,13 @@ def _one_pass(model, per_example_losses, units, persistent):
     # model is what hits tensorflow/tensorflow#117700.
     jacobians = tape.jacobian(losses, rest, experimental_use_pfor=False) if rest else []
     del tape
-    unreached = {id(v) for v, g in zip(others, reached) if g is None}
+    unreached = {id(v) for v, g in zip(others, reached, strict=True) if g is None}
     for v in model.trainable_variables:  # reached in this pass: no longer reported unreached
         if id(v) not in unreached:
             UNREACHED.pop(id(v), None)
-    warn_unreached([v for v, g in zip(others, reached) if g is None])
-    return layers, losses, [(v, tf.convert_to_tensor(j)) for v, j in zip(rest, jacobians)]
+    warn_unreached([v for v, g in zip(others, reached, strict=True) if g is None])
+    return layers, losses, [(v, tf.convert_to_tensor(j))
+                            for v, j in zip(rest, jacobians, strict=True)]
 
 
 def _cast_floating(a, dtype):
@@ -277,8 +278,8 @@ def per_example_of(layer, rule, pairs):
     total = None
     for a, g in pairs:
         grads = rule.per_example(layer, a, g)
-        total = grads if total is None else [t + u for t, u in zip(total, grads)]
-    return dict(zip(map(id, rule.variables(layer)), total))
+        total = grads if total is None else [t + u for t, u in zip(total, grads, strict=True)]
+    return dict(zip(map(id, rule.variables(layer)), total, strict=True))
 
 
 def ghost_sq_norms_of(layer, rule, pairs, trainable_ids):
@@ -323,8 +324,8 @@ def weighted_sum_of(layer, rule, pairs, weights):
     total = None
     for a, g in pairs:
         sums = rule.weighted_sum(layer, a, g, tf.cast(weights, dtype))
-        total = sums if total is None else [t + u for t, u in zip(total, sums)]
-    return dict(zip(map(id, rule.variables(layer)), total))
+        total = sums if total is None else [t + u for t, u in zip(total, sums, strict=True)]
+    return dict(zip(map(id, rule.variables(layer)), total, strict=True))
 
 
 def squared_norms(per_example):

@@ -187,7 +187,7 @@ class LocalRule(LayerRule):
         def one(example):
             example_leaves, example_g = example
             full = list(leaves)
-            for i, t in zip(batched, example_leaves):
+            for i, t in zip(batched, example_leaves, strict=True):
                 full[i] = t[None]
             args_b, kwargs_b = tf.nest.pack_sequence_as((args, kwargs), full)
             with tf.GradientTape() as tape:
@@ -197,11 +197,12 @@ class LocalRule(LayerRule):
                     out = layer(*args_b, **kwargs_b)
                 outs = [t for t in tf.nest.flatten(out)
                         if isinstance(t, tf.Tensor) and t.dtype.is_floating]
-                total = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32) * tf.cast(gb[None], tf.float32))
-                                  for o, gb in zip(outs, example_g)])
+                total = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)
+                                                * tf.cast(gb[None], tf.float32))
+                                  for o, gb in zip(outs, example_g, strict=True)])
             grads = tape.gradient(total, variables)
             return [tf.zeros(v.shape, v.dtype) if d is None else tf.cast(d, v.dtype)
-                    for d, v in zip(grads, variables)]
+                    for d, v in zip(grads, variables, strict=True)]
 
         def vectorized(example_leaves, gs):
             return tf.vectorized_map(one, (example_leaves, gs), fallback_to_while_loop=True)

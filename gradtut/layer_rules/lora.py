@@ -116,7 +116,7 @@ class LoraRule(LayerRule):
         small (``B`` is ``[r, n]``), so the layer never materialises a full-kernel gradient."""
         kernels = (layer.lora_kernel_a.shape, layer.lora_kernel_b.shape)
         parts = []
-        for (eq, x, gz), shape in zip(self._pairs(layer, a, g), kernels):
+        for (eq, x, gz), shape in zip(self._pairs(layer, a, g), kernels, strict=True):
             sq = einsum.sq_norms(eq, x, gz, shape)
             if sq is None:
                 t = einsum.per_example(eq, x, gz)

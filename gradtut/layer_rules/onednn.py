@@ -24,8 +24,8 @@ def broadcast_matmul_hazards(graph):
     """Batch matmuls in a traced graph that TensorFlow 2.21's oneDNN kernel gets wrong.
 
     With oneDNN on (TensorFlow's default on x86 CPUs with AVX512-VNNI, AVX-VNNI or AMX; off
-    on older ones, see :func:`onednn_enabled`), ``tf.linalg.matmul`` of a ``[8, 1, 4, 8]`` tensor with
-    an ``[8, 8]`` matrix returns garbage or corrupts the heap (tensorflow/tensorflow#117700;
+    on older ones, see :func:`onednn_enabled`), ``tf.linalg.matmul`` of a ``[8, 1, 4, 8]`` tensor
+    with an ``[8, 8]`` matrix returns garbage or corrupts the heap (tensorflow/tensorflow#117700;
     fixed upstream by PR #120199, after 2.21). ``tf.vectorized_map`` and ``tape.jacobian``
     create exactly such ops from a layer's ``[1, T, d] @ [d, n]`` (attention, Dense on
     sequences). Flagged: a batch matmul whose output has two or more batch axes, one of them
@@ -96,7 +96,7 @@ def is_broadcast_matmul_hazard(op):
     width = max(len(batch_a), len(batch_b))
     batch_a = [1] * (width - len(batch_a)) + batch_a
     batch_b = [1] * (width - len(batch_b)) + batch_b
-    broadcast = any(p != q for p, q in zip(batch_a, batch_b))
-    size_one = any(p in (1, None) and q in (1, None) for p, q in zip(batch_a, batch_b))
+    broadcast = any(p != q for p, q in zip(batch_a, batch_b, strict=True))
+    size_one = any(p in (1, None) and q in (1, None) for p, q in zip(batch_a, batch_b, strict=True))
     return width >= 2 and broadcast and size_one
 

@@ -254,6 +254,7 @@ class LayerRule:
         return [tf.tensordot(weights, t, axes=1) for t in self.per_example(layer, a, g)]
 
     def merge(self, layer, calls):
-        """Combine the ``(a, g)`` of several calls of one layer, where the rule can (default: no)."""
+        """Combine the ``(a, g)`` of several calls of one layer, where the rule can
+        (default: no)."""
         return calls
 

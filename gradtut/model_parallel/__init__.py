@@ -21,18 +21,31 @@ One module per topic: ``placement``, ``pipeline`` (measured), ``simulator`` (mod
 ``tensor_parallel``, ``mesh`` (DTensor) and ``memory``; the timeline plot is in
 :mod:`gradtut.plots`. Every public name is importable from ``gradtut.model_parallel``.
 """
+from gradtut.model_parallel.memory import MEMORY_STRATEGIES, model_memory_report, optimizer_slots
+from gradtut.model_parallel.mesh import (
+                                             MLP_SHARDING,
+                                             describe_shards,
+                                             gather,
+                                             make_mesh,
+                                             mlp_loss,
+                                             sgd_step,
+                                             shard_batch,
+                                             shard_mlp_params,
+)
+from gradtut.model_parallel.pipeline import (
+                                             activations_in_flight,
+                                             bubble_fraction,
+                                             pipeline_gradients,
+                                             stage_times,
+)
 from gradtut.model_parallel.placement import StagedModel, balanced_boundaries, place_stages
-from gradtut.model_parallel.pipeline import (activations_in_flight, bubble_fraction,
-                                             pipeline_gradients, stage_times)
 from gradtut.model_parallel.simulator import SCHEDULES, schedule_order, simulate_pipeline
 from gradtut.model_parallel.tensor_parallel import ColumnParallelDense, RowParallelDense
-from gradtut.model_parallel.mesh import (MLP_SHARDING, describe_shards, gather, make_mesh, mlp_loss,
-                                         sgd_step, shard_batch, shard_mlp_params)
-from gradtut.model_parallel.memory import MEMORY_STRATEGIES, model_memory_report, optimizer_slots
 from gradtut.plots import plot_timeline
 
 __all__ = [
-    'StagedModel', 'balanced_boundaries', 'place_stages', 'activations_in_flight', 'bubble_fraction',
+    'StagedModel', 'balanced_boundaries', 'place_stages', 'activations_in_flight',
+    'bubble_fraction',
     'pipeline_gradients', 'stage_times', 'SCHEDULES', 'schedule_order', 'simulate_pipeline',
     'ColumnParallelDense', 'RowParallelDense', 'MLP_SHARDING', 'describe_shards', 'gather',
     'make_mesh', 'mlp_loss', 'sgd_step', 'shard_batch', 'shard_mlp_params',

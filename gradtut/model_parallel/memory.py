@@ -1,4 +1,6 @@
 """Memory arithmetic: what each device holds under data, stage and tensor splits (notebook 04)."""
+import itertools
+
 import keras
 import numpy as np
 
@@ -41,6 +43,11 @@ def _activation_elements(model):
     return elements
 
 
+def _input_elements(model):
+    """Elements per example of the model's inputs (already known to be built)."""
+    return sum(int(np.prod(x.shape[1:])) for x in model.inputs)
+
+
 MEMORY_STRATEGIES = ("data", "stage", "tensor")
 
 
@@ -61,8 +68,11 @@ def model_memory_report(model, optimizer, batch_size, num_devices, strategy):
       count (as :func:`place_stages` does); each device keeps its stage's weights and, with
       the GPipe schedule, its layers' activations for the whole batch. The busiest stage is
       reported;
-    - ``"tensor"``: every weight and activation split evenly (the Megatron-LM ideal; the
-      replicated inputs, biases and norms it leaves out are small).
+    - ``"tensor"``: Megatron-LM pairs: the 1st, 3rd, ... layers split by columns, the 2nd,
+      4th, ... by rows. Every weight is split evenly (the replicated row biases left out are
+      small). A column layer's output is split too, but a row layer's output, after its
+      all-reduce, is whole on every device, and so is the model's input: those activations
+      are not divided.
 
     Args:
       model: a built Keras model whose layers have known output shapes.
@@ -94,7 +104,7 @@ def model_memory_report(model, optimizer, batch_size, num_devices, strategy):
     dtype_bytes = np.dtype(keras.backend.standardize_dtype(model.compute_dtype)).itemsize
     activations = [e * dtype_bytes for e in _activation_elements(model)]
     layers = [(_bytes(layer.weights), _bytes(layer.trainable_weights), act)
-              for layer, act in zip(model.layers, activations)]
+              for layer, act in zip(model.layers, activations, strict=True)]
 
     def device(group, examples, share=1):
         params = sum(p for p, _, _ in group) // share
@@ -109,13 +119,21 @@ def model_memory_report(model, optimizer, batch_size, num_devices, strategy):
         _check_divisible(batch_size, num_devices, "the batch size")
         per_device = [device(layers, batch_size // num_devices)] * num_devices
     elif strategy == "tensor":
-        per_device = [device(layers, batch_size, share=num_devices)] * num_devices
+        entry = device(layers, batch_size, share=num_devices)
+        inputs = _input_elements(model) * dtype_bytes
+        outputs = [a - inputs if i == 0 else a for i, a in enumerate(activations)]
+        per_example = inputs + sum(a // num_devices if i % 2 == 0 else a
+                                   for i, a in enumerate(outputs))
+        entry["activations"] = per_example * batch_size
+        entry["total"] = sum(entry[k] for k in
+                             ("parameters", "gradients", "optimizer_state", "activations"))
+        per_device = [entry] * num_devices
     else:
         if num_devices > len(layers):
             raise ValueError(f"{num_devices} stages but the model has only {len(layers)} "
                              "layers: every stage needs at least one layer")
         cuts = [0] + balanced_boundaries([p for p, _, _ in layers], num_devices) + [len(layers)]
-        per_device = [device(layers[a:b], batch_size) for a, b in zip(cuts, cuts[1:])]
+        per_device = [device(layers[a:b], batch_size) for a, b in itertools.pairwise(cuts)]
     busiest = dict(max(per_device, key=lambda e: e["total"]))
     busiest.update(strategy=strategy, num_devices=num_devices, batch_size=batch_size,
                    per_device_total=[e["total"] for e in per_device])

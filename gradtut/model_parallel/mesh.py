@@ -83,7 +83,7 @@ def sgd_step(params, x, y, learning_rate):
         loss = mlp_loss(params, x, y)
     names = sorted(params)
     grads = tape.gradient(loss, [params[n] for n in names])
-    for name, grad in zip(names, grads):
+    for name, grad in zip(names, grads, strict=True):
         params[name].assign_sub(learning_rate * grad)
     return loss
 
@@ -113,7 +113,7 @@ def shard_mlp_params(params, mesh, sharding=None):
             raise ValueError(f"the sharding of {name!r} has {len(sharding[name])} entries but "
                              f"the parameter has rank {shape.rank} (shape {shape.as_list()}): "
                              "give one mesh dimension or dtensor.UNSHARDED per axis")
-        for size, dim in zip(shape, sharding[name]):
+        for size, dim in zip(shape, sharding[name], strict=True):
             if dim != dtensor.UNSHARDED:
                 _check_divisible(size, mesh.dim_size(dim), f"{name}'s size along '{dim}'")
         result[name] = dtensor.DVariable(_on_mesh(value, mesh, sharding[name]))
@@ -179,9 +179,9 @@ def describe_shards(values):
         lines.append(f"{name} {list(shape)} sharded as {list(layout.sharding_specs)}")
         for device_id, device in enumerate(mesh.local_devices()):
             location = mesh.device_location(device_id)
-            coords = dict(zip(mesh.dim_names, location))
+            coords = dict(zip(mesh.dim_names, location, strict=True))
             slices = []
-            for size, dim in zip(shape, layout.sharding_specs):
+            for size, dim in zip(shape, layout.sharding_specs, strict=True):
                 if dim == dtensor.UNSHARDED:
                     slices.append(f"0:{size}")
                 else:

@@ -196,7 +196,8 @@ def pipeline_gradients(stages, x, y, loss_fn, num_microbatches, *, training=Fals
     clocks = clocks.numpy()
     origin = clocks.min()
     timeline = [{"stage": s, "microbatch": j, "phase": phase, "start": float(a - origin),
-                 "end": float(b - origin)} for (s, j, phase), (a, b) in zip(events, clocks)]
+                 "end": float(b - origin)}
+                for (s, j, phase), (a, b) in zip(events, clocks, strict=True)]
     timeline.sort(key=lambda e: (e["start"], e["stage"]))
     return float(loss), list(grads), timeline
 

@@ -1,4 +1,6 @@
 """Naive model parallelism: consecutive layers as stages on consecutive devices (notebook 04)."""
+import itertools
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -7,7 +9,8 @@ from gradtut.checks import check_int
 
 
 def _check_devices(devices):
-    """Full names of ``devices`` (e.g. "CPU:1" -> "/device:CPU:1"); clear error if one is missing."""
+    """Full names of ``devices`` (e.g. "CPU:1" -> "/device:CPU:1"); clear error if one is
+    missing."""
     if isinstance(devices, str) or not devices:
         raise ValueError(f"devices must be a non-empty list of device names, got {devices!r}")
     available = {}
@@ -80,7 +83,8 @@ def balanced_boundaries(costs, num_stages):
 def _check_boundaries(boundaries, num_layers, num_stages):
     boundaries = [int(b) for b in boundaries]
     cuts = [0] + boundaries + [num_layers]
-    if len(boundaries) != num_stages - 1 or any(a >= b for a, b in zip(cuts, cuts[1:])):
+    if len(boundaries) != num_stages - 1 or any(
+            a >= b for a, b in itertools.pairwise(cuts)):
         raise ValueError(
             f"boundaries={boundaries} must be {num_stages - 1} increasing layer indices "
             f"strictly between 0 and {num_layers}, so that each of the {num_stages} stages gets "
@@ -165,7 +169,7 @@ class StagedModel:
     def summary(self):
         """One line per stage: its device, its layers and its parameter count."""
         lines = []
-        for s, (stage, count) in enumerate(zip(self.stages, self.parameter_counts())):
+        for s, (stage, count) in enumerate(zip(self.stages, self.parameter_counts(), strict=True)):
             names = ", ".join(layer.name for layer in stage)
             lines.append(f"stage {s} on {self.devices[s]}: {names} ({count:,} parameters)")
         return "\n".join(lines)
@@ -215,7 +219,7 @@ def place_stages(layers, devices, boundaries=None, input_shape=None):
         boundaries = balanced_boundaries(_parameter_counts(layers, input_shape), len(devices))
     boundaries = _check_boundaries(boundaries, len(layers), len(devices))
     cuts = [0] + boundaries + [len(layers)]
-    staged = StagedModel([layers[a:b] for a, b in zip(cuts, cuts[1:])], devices)
+    staged = StagedModel([layers[a:b] for a, b in itertools.pairwise(cuts)], devices)
     if input_shape is not None:
         x = tf.zeros((1,) + tuple(input_shape))
         for s in range(len(devices)):

@@ -60,7 +60,7 @@ class ColumnParallelDense(keras.layers.Layer):
             bias = np.asarray(self.bias_initializer((self.units,)))
         self.kernels, self.biases = [], []
         for i, (k, b) in enumerate(zip(np.split(kernel, len(self.devices), axis=1),
-                                       np.split(bias, len(self.devices)))):
+                                       np.split(bias, len(self.devices)), strict=True)):
             with tf.device(self.devices[i]):  # each shard's weights live on its device
                 self.kernels.append(self.add_weight(shape=k.shape, name=f"kernel_{i}",
                                                     initializer=keras.initializers.Constant(k)))
@@ -69,7 +69,7 @@ class ColumnParallelDense(keras.layers.Layer):
 
     def call(self, x):
         shards = []
-        for device, kernel, bias in zip(self.devices, self.kernels, self.biases):
+        for device, kernel, bias in zip(self.devices, self.kernels, self.biases, strict=True):
             with tf.device(device):
                 shards.append(self.activation(tf.matmul(x, kernel) + bias))
         if self.gather_output:
@@ -86,9 +86,9 @@ class ColumnParallelDense(keras.layers.Layer):
     def load_dense_weights(self, kernel, bias):
         """Copy an unsplit Dense layer's ``kernel`` [in, units] and ``bias`` [units] in."""
         n = len(self.devices)
-        for var, k in zip(self.kernels, np.split(np.asarray(kernel), n, axis=1)):
+        for var, k in zip(self.kernels, np.split(np.asarray(kernel), n, axis=1), strict=True):
             var.assign(k)
-        for var, b in zip(self.biases, np.split(np.asarray(bias), n)):
+        for var, b in zip(self.biases, np.split(np.asarray(bias), n), strict=True):
             var.assign(b)
 
 
@@ -160,13 +160,13 @@ class RowParallelDense(keras.layers.Layer):
         else:
             _check_divisible(x.shape[-1], n, "the number of input features")
             shards = tf.split(x, n, axis=-1)
-        for i, (shard, kernel) in enumerate(zip(shards, self.kernels)):
+        for i, (shard, kernel) in enumerate(zip(shards, self.kernels, strict=True)):
             if shard.shape[-1] != kernel.shape[0]:
                 raise ValueError(f"input shard {i} has {shard.shape[-1]} features but this "
                                  f"layer was built for {kernel.shape[0]} per shard: call it on "
                                  "inputs shaped like those it was built on")
         partials = []
-        for device, kernel, shard in zip(self.devices, self.kernels, shards):
+        for device, kernel, shard in zip(self.devices, self.kernels, shards, strict=True):
             with tf.device(device):
                 partials.append(tf.matmul(shard, kernel))
         with tf.device(self.devices[0]):
@@ -180,6 +180,7 @@ class RowParallelDense(keras.layers.Layer):
 
     def load_dense_weights(self, kernel, bias):
         """Copy an unsplit Dense layer's ``kernel`` [in, units] and ``bias`` [units] in."""
-        for var, k in zip(self.kernels, np.split(np.asarray(kernel), len(self.devices), axis=0)):
+        for var, k in zip(self.kernels, np.split(np.asarray(kernel), len(self.devices), axis=0),
+                          strict=True):
             var.assign(k)
         self.bias.assign(bias)
