@@ -781,7 +781,7 @@ def per_example_plan(model):
     reach its variables in a traced call) or ``"-"``. For convolutions, Dense and EinsumDense
     on sequences the choice is the one the last traced ghost norm or clipped gradient made,
     and before any, the one the layer's built input shape gives (ghost when
-    ``2 T^2 <= d p`` and ``d p > T (d + p)``, see ``layer_rules.common._ghost_is_cheaper``;
+    ``d p > T (d + p)``, see ``layer_rules.common._ghost_is_cheaper``;
     materialised where a length was unknown when built). A layer with a frozen variable
     (``variable.trainable = False``) is materialised. So is a layer called several times whose
     rule cannot merge the calls (a convolution), which the plan cannot see: it follows the

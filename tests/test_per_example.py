@@ -162,7 +162,7 @@ def test_plan_shows_rules_fallbacks_and_ghost_choices(models):
     assert "PReLU" in text
     frozen = per_example_plan(models["frozen"])
     assert frozen[0][1:] == ("Dense", "no trainable variables", "-")
-    # convolutions: ghost only where the Gram form is the cheaper one (2 T^2 <= d p < ...)
+    # convolutions: ghost only where the Gram form is the cheaper one (d p > T (d + p))
     cnn_norms = [row[3] for row in per_example_plan(models["cnn"])]
     assert cnn_norms == ["materialised"] * 3 + ["ghost", "ghost"], cnn_norms
 

@@ -93,7 +93,7 @@ def sq_norms(equation, a, g, kernel_shape):
     not apply or costs more than materialising.
 
     Example:
-      >>> a, g = tf.ones([2, 2, 8]), tf.ones([2, 2, 8])  # 2 positions: 2 * 2^2 <= 8 * 8 > 2 * 16
+      >>> a, g = tf.ones([2, 2, 8]), tf.ones([2, 2, 8])  # 2 positions: 8 * 8 > 2 * (8 + 8)
       >>> sq_norms("bti,ij->btj", a, g, (8, 8)).numpy().tolist()  # 64 entries, each 2
       [256.0, 256.0]
       >>> sq_norms("bti,ij->btj", tf.ones([2, 5, 3]), tf.ones([2, 5, 4]), (3, 4)) is None
