@@ -1,4 +1,5 @@
-"""The small models the notebooks teach on and ``python -m gradtut bench`` times (notebook 01).
+"""The small models the notebooks teach on and ``python -m gradtut bench`` times (notebooks 01
+and 02).
 
 - :func:`mlp`: Dense, Dense on flat inputs (784-256-10 by default: the per-example benchmark);
 - :func:`cnn`: two convolutions and a Dense layer on 8x8x1 digit images;

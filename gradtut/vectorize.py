@@ -539,8 +539,12 @@ def completeness_gap(model, x, attributions, baseline=None, target=None):
 def make_per_example_input_gradient(model):
     """``f(x_i) -> d sum(model(x_i)) / d x_i`` for one example without its batch dimension.
 
+    ``model`` is a Keras model with one input, or a callable ``model(x, training=False)``, as
+    for :func:`input_gradients`.
+
     Raises:
-      TypeError: ``model`` is not a Keras model.
+      TypeError: ``model`` is neither (a list of layers, a function of ``x`` alone).
+      ValueError: a Keras model with several inputs.
     """
     _check_model(model)
 
@@ -558,7 +562,7 @@ def make_batched_input_gradient(model):
     """A ``tf.function`` ``x -> d sum(model(x)) / d x``: every example's input gradient at once.
 
     Raises:
-      TypeError: ``model`` is not a Keras model.
+      TypeError, ValueError: as :func:`make_per_example_input_gradient`.
     """
     _check_model(model)
 
@@ -580,7 +584,7 @@ def map_fn_timings(model, x, parallel_iterations=(1, 2, 4, 10), repeats=5, eager
     interleaved rounds; ratios are against the eager map_fn (or the first graph variant).
 
     Raises:
-      TypeError: ``model`` is not a Keras model.
+      TypeError: as :func:`make_per_example_input_gradient`.
       ValueError: ``x`` has no examples, a ``parallel_iterations`` or ``repeats`` that is not a
         positive int.
     """

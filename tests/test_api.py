@@ -96,12 +96,17 @@ TOPIC_NOTEBOOK = {"per_example": 1, "privacy": 1, "vectorize": 2, "data_parallel
 PACKAGE = Path(gradtut.__file__).resolve().parent
 
 
-def gradtut_imports(path):
+def gradtut_imports(path, package=("gradtut",)):
     """The top-level gradtut modules a file imports (``gradtut.data_parallel`` -> ``data_parallel``;
-    the bare ``import gradtut``, the package root, counts as ``""``)."""
+    the bare ``import gradtut``, the package root, counts as ``""``). ``package`` is the dotted
+    package the file is in, for relative imports (``from ..bench import x``)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "gradtut":
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = list(package[:len(package) - node.level + 1])
+            parts = base + (node.module.split(".") if node.module else [])
+            found |= ({parts[1]} if len(parts) > 1 else {alias.name for alias in node.names})
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "gradtut":
             parts = node.module.split(".")
             if len(parts) > 1:
                 found.add(parts[1])
@@ -125,7 +130,7 @@ def upward_imports(package=PACKAGE):
         own = parts[0]
         if own in ("__init__", "__main__", "bench"):
             continue
-        for imported in gradtut_imports(path) - {own, ""}:
+        for imported in gradtut_imports(path, ("gradtut", *parts[:-1])) - {own, ""}:
             if imported == "bench":
                 wrong.append((str(path.relative_to(package)), imported))
             elif own in SHARED and imported in TOPIC_NOTEBOOK:
@@ -147,5 +152,9 @@ def test_the_layering_check_can_fail(tmp_path):
     (tmp_path / "models.py").write_text("from gradtut.bench.per_example import benchmark_dp_step\n"
                                         "import gradtut.efficiency\n")
     (tmp_path / "vectorize.py").write_text("from gradtut import data_parallel, checks\n")
+    (tmp_path / "layer_rules").mkdir()
+    (tmp_path / "layer_rules" / "dense.py").write_text("from ..bench import per_example\n"
+                                                      "from . import common\n")
     assert sorted(upward_imports(tmp_path)) == [
-        ("models.py", "bench"), ("models.py", "efficiency"), ("vectorize.py", "data_parallel")]
+        ("layer_rules/dense.py", "bench"), ("models.py", "bench"), ("models.py", "efficiency"),
+        ("vectorize.py", "data_parallel")]

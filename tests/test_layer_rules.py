@@ -115,6 +115,20 @@ def test_a_registered_rule_for_a_custom_layer_matches_the_loop(scale_rule):
     assert_gradients_close(clipped, [tf.reduce_mean(g, 0) for g in expected], **TOL)
 
 
+def test_a_rule_that_returns_the_wrong_number_of_gradients_is_named(scale_rule):
+    class OneTooMany(scale_rule):
+        def per_example(self, layer, a, g):
+            return super().per_example(layer, a, g) * 2
+
+    unregister_rule(Scale)
+    register_rule(Scale)(OneTooMany)
+    model = scale_model(Scale)
+    x, y = np.ones((2, 3, 5), "float32"), np.zeros(2, "int64")
+    with pytest.raises(ValueError, match=r"rule 'scale' .*per_example returned 2 tensors, but "
+                                         r"its variables\(\) lists 1"):
+        per_example_gradients(model, LOSS, x, y, "outer")
+
+
 def test_a_subclass_that_overrides_call_never_gets_its_parents_rule(scale_rule):
     """ScaleSubclass overrides call: the Scale rule would compute the wrong output."""
     model = scale_model(ScaleSubclass)

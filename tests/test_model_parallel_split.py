@@ -329,6 +329,12 @@ def test_dtensor_errors_name_the_problem():
         mp.make_mesh(0, 2)
 
 
+def with_dropout(model):
+    """``model``'s layers with a Dropout after the first."""
+    first, *rest = model.layers
+    return keras.Sequential([keras.Input((64,)), first, keras.layers.Dropout(0.1), *rest])
+
+
 def memory_model():
     return keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"),
                              keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10)])
@@ -350,6 +356,17 @@ def test_memory_report_arithmetic():
     # Megatron pairs: the input and the row layer's output (256) are whole on every device
     assert tensor["activations"] == 32 * 4 * (64 + 128 // 2 + 256 + 10 // 2)
     assert tensor["total"] == 2 * (weights // 2) + weights // 2 + tensor["activations"]
+    # the same model built functionally (which lists an InputLayer), and with a Dropout after
+    # the column layer (whose output it keeps split): the same arithmetic
+    inputs = keras.Input((64,))
+    hidden = keras.layers.Dense(128, activation="relu")(inputs)
+    functional = keras.Model(inputs, keras.layers.Dense(10)(
+        keras.layers.Dense(256, activation="relu")(hidden)))
+    functional.set_weights(model.get_weights())
+    for other, extra in ((functional, 0), (with_dropout(model), 128 // 2)):
+        report = mp.model_memory_report(other, keras.optimizers.SGD(momentum=0.9), 32, 2,
+                                        "tensor")
+        assert report["activations"] == tensor["activations"] + 32 * 4 * extra
     stage = mp.model_memory_report(model, keras.optimizers.SGD(), 32, 2, "stage")
     assert stage["optimizer_state"] == 0
     assert sum(stage["per_device_total"]) == 2 * weights + 32 * activations_per_example

@@ -277,9 +277,19 @@ def per_example_of(layer, rule, pairs):
     _check_pairs(layer, rule, pairs, "per_example_of")
     total = None
     for a, g in pairs:
-        grads = rule.per_example(layer, a, g)
+        grads = _one_per_variable(layer, rule, rule.per_example(layer, a, g), "per_example")
         total = grads if total is None else [t + u for t, u in zip(total, grads, strict=True)]
     return dict(zip(map(id, rule.variables(layer)), total, strict=True))
+
+
+def _one_per_variable(layer, rule, tensors, method):
+    """``tensors``, checked to hold one tensor per variable of ``rule.variables(layer)``."""
+    expected = len(rule.variables(layer))
+    if len(tensors) != expected:
+        raise ValueError(f"rule {rule.name!r} for layer {layer.name!r}: {method} returned "
+                         f"{len(tensors)} tensors, but its variables() lists {expected}; "
+                         "return one per variable, in the same order")
+    return tensors
 
 
 def ghost_sq_norms_of(layer, rule, pairs, trainable_ids):
@@ -324,6 +334,7 @@ def weighted_sum_of(layer, rule, pairs, weights):
     total = None
     for a, g in pairs:
         sums = rule.weighted_sum(layer, a, g, tf.cast(weights, dtype))
+        sums = _one_per_variable(layer, rule, sums, "weighted_sum")
         total = sums if total is None else [t + u for t, u in zip(total, sums, strict=True)]
     return dict(zip(map(id, rule.variables(layer)), total, strict=True))
 

@@ -28,11 +28,17 @@ def optimizer_slots(optimizer):
     return sum(int(np.prod(v.shape)) for v in probe.variables if tuple(v.shape) == (1,))
 
 
+def _computing_layers(model):
+    """The model's layers but its ``InputLayer`` (a functional model lists it; a Sequential
+    does not)."""
+    return [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+
+
 def _activation_elements(model):
     """Elements per example that backprop keeps, per layer: each layer's output, and for the
     first layer also the model's input."""
     try:
-        shapes = [layer.output.shape for layer in model.layers]
+        shapes = [layer.output.shape for layer in _computing_layers(model)]
         inputs = [x.shape for x in model.inputs]
     except (AttributeError, ValueError):
         raise ValueError(
@@ -68,8 +74,9 @@ def model_memory_report(model, optimizer, batch_size, num_devices, strategy):
       count (as :func:`place_stages` does); each device keeps its stage's weights and, with
       the GPipe schedule, its layers' activations for the whole batch. The busiest stage is
       reported;
-    - ``"tensor"``: Megatron-LM pairs: the 1st, 3rd, ... layers split by columns, the 2nd,
-      4th, ... by rows. Every weight is split evenly (the replicated row biases left out are
+    - ``"tensor"``: Megatron-LM pairs: the 1st, 3rd, ... layers with a kernel split by
+      columns, the 2nd, 4th, ... by rows (a layer without a kernel keeps the split of the one
+      before). Every weight is split evenly (the replicated row biases left out are
       small). A column layer's output is split too, but a row layer's output, after its
       all-reduce, is whole on every device, and so is the model's input: those activations
       are not divided.
@@ -103,8 +110,9 @@ def model_memory_report(model, optimizer, batch_size, num_devices, strategy):
     slots = optimizer_slots(optimizer)
     dtype_bytes = np.dtype(keras.backend.standardize_dtype(model.compute_dtype)).itemsize
     activations = [e * dtype_bytes for e in _activation_elements(model)]
+    computing = _computing_layers(model)
     layers = [(_bytes(layer.weights), _bytes(layer.trainable_weights), act)
-              for layer, act in zip(model.layers, activations, strict=True)]
+              for layer, act in zip(computing, activations, strict=True)]
 
     def device(group, examples, share=1):
         params = sum(p for p, _, _ in group) // share
@@ -121,9 +129,12 @@ def model_memory_report(model, optimizer, batch_size, num_devices, strategy):
     elif strategy == "tensor":
         entry = device(layers, batch_size, share=num_devices)
         inputs = _input_elements(model) * dtype_bytes
-        outputs = [a - inputs if i == 0 else a for i, a in enumerate(activations)]
-        per_example = inputs + sum(a // num_devices if i % 2 == 0 else a
-                                   for i, a in enumerate(outputs))
+        per_example, split, kernels = inputs, False, 0
+        for i, (layer, act) in enumerate(zip(computing, activations, strict=True)):
+            if getattr(layer, "kernel", None) is not None:  # pairs: a column, then a row layer
+                split, kernels = kernels % 2 == 0, kernels + 1
+            output = act - inputs if i == 0 else act  # other layers follow the one before
+            per_example += output // num_devices if split else output
         entry["activations"] = per_example * batch_size
         entry["total"] = sum(entry[k] for k in
                              ("parameters", "gradients", "optimizer_state", "activations"))
