@@ -39,13 +39,13 @@ def _activation_elements(model):
     first layer also the model's input."""
     try:
         shapes = [layer.output.shape for layer in _computing_layers(model)]
-        inputs = [x.shape for x in model.inputs]
+        inputs = _input_elements(model)
     except (AttributeError, ValueError):
         raise ValueError(
             "the model's layer output shapes are unknown: build it on a keras.Input (a "
             "Sequential starting with keras.Input(shape), or a functional model)") from None
     elements = [int(np.prod(shape[1:])) for shape in shapes]
-    elements[0] += sum(int(np.prod(shape[1:])) for shape in inputs)
+    elements[0] += inputs
     return elements
 
 
