@@ -40,11 +40,13 @@ def _ghost_is_cheaper(steps, m, n):
 
     Per example, the Gram form holds ``2 T^2`` numbers and costs ``T^2 (m + n)`` multiply-adds,
     on top of the weighted sum's own ``T m n`` later. Materialising holds ``m n`` numbers and
-    costs ``T m n``, which the weighted sum then reuses. So ghost only where the gradient is
-    larger than the layer's record of that example, its inputs and output gradients:
-    ``m n > T (m + n)``. That also gives the memory saving of the mixed rule of Bu et al. 2022,
-    ``2 T^2 <= m n``: since ``m + n >= 2 sqrt(m n)``, it implies ``m n > 4 T^2``. Below that
-    size materialising holds no more than the record and skips the Gram matmuls.
+    costs ``T m n``, plus ``2 m n`` for its norm and its share of the weighted sum. In arithmetic
+    the Gram form wins only where ``T^2 (m + n) < 2 m n``; this test is about memory instead:
+    ghost only where the gradient is larger than the layer's record of that example, its inputs
+    and output gradients, ``m n > T (m + n)``. Below that size materialising at most doubles
+    what the layer holds for the example and skips the Gram matmuls. The test also gives the
+    memory saving of the mixed rule of Bu et al. 2022, ``2 T^2 <= m n``: since
+    ``m + n >= 2 sqrt(m n)``, it implies ``m n > 4 T^2``.
 
     Example:
       >>> [_ghost_is_cheaper(t, m, n) for t, m, n in [(8, 32, 32), (64, 128, 512), (64, 128, 128)]]

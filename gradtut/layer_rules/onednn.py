@@ -23,13 +23,14 @@ def onednn_enabled():
 def broadcast_matmul_hazards(graph):
     """Batch matmuls in a traced graph that TensorFlow 2.21's oneDNN kernel gets wrong.
 
-    With oneDNN on (TensorFlow's default on x86 CPUs with AVX512-VNNI, AVX-VNNI or AMX; off
-    on older ones, see :func:`onednn_enabled`), ``tf.linalg.matmul`` of a ``[8, 1, 4, 8]`` tensor
-    with an ``[8, 8]`` matrix returns garbage or corrupts the heap (tensorflow/tensorflow#117700;
-    fixed upstream by PR #120199, after 2.21). ``tf.vectorized_map`` and ``tape.jacobian``
-    create exactly such ops from a layer's ``[1, T, d] @ [d, n]`` (attention, Dense on
-    sequences). Flagged: a batch matmul whose output has two or more batch axes, one of them
-    of size 1 (or unknown), where one operand broadcasts over the other's batch axes.
+    With oneDNN on (TensorFlow's default on Linux x86 CPUs with AVX512-VNNI, AVX512_BF16,
+    AVX-VNNI or AMX; off on older ones, see :func:`onednn_enabled`), ``tf.linalg.matmul`` of a
+    ``[8, 1, 4, 8]`` tensor with an ``[8, 8]`` matrix returns garbage or corrupts the heap
+    (tensorflow/tensorflow#117700; fixed upstream by PR #120199, after 2.21).
+    ``tf.vectorized_map`` and ``tape.jacobian`` create exactly such ops from a layer's
+    ``[1, T, d] @ [d, n]`` (attention, Dense on sequences). Flagged: a batch matmul whose output
+    has two or more batch axes, one of them of size 1 (or unknown), where one operand broadcasts
+    over the other's batch axes.
 
     Args:
       graph: a ``tf.Graph``, such as ``fn.get_concrete_function(...).graph`` of a
