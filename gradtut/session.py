@@ -134,11 +134,11 @@ def setup(seed=0, virtual_cpus=None, bfc_allocator=True, deterministic=True,
         It reuses freed memory instead of asking the OS for fresh pages, and it makes
         ``tf.config.experimental.get_memory_info("CPU:0")`` (peak memory) work. x86-64 Linux
         builds with oneDNN on (TensorFlow's default on Linux on CPUs with AVX512_VNNI,
-        AVX512_BF16, AVX_VNNI or AMX, tensorflow/core/util/port.cc) already use oneDNN's
-        pooling allocator; where oneDNN is off (``TF_ENABLE_ONEDNN_OPTS=0``, AVX2-only CPUs,
-        builds without it) notebook 05, section 9, measures materialised
-        per-example gradients 2-4x faster with it. Where it did not help it cost at most 8% in
-        those runs, so it is on by default.
+        AVX512_BF16, AVX_VNNI or AMX, tensorflow/core/util/port.cc) already hand large blocks
+        to a BFC allocator (mkl_cpu_allocator.h); where oneDNN is off
+        (``TF_ENABLE_ONEDNN_OPTS=0``, AVX2-only CPUs, builds without it) notebook 05, section 9,
+        measures materialised per-example gradients 2-4x faster with it. Where it did not help
+        it cost at most 8% in those runs, so it is on by default.
       deterministic: call ``tf.config.experimental.enable_op_determinism()``.
       intra_op_threads: None for TensorFlow's default (every core works on each op), or N >= 1
         threads per op. Notebook 04 uses 1, so that two pipeline stages on two virtual CPUs

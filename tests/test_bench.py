@@ -90,6 +90,24 @@ def test_benchmark_helpers_reject_bad_arguments():
                                  batch_sizes=(4, 32))
 
 
+def test_input_gradient_benchmark_refuses_a_vectorized_map_that_falls_back():
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from gradtut.bench.input_gradients import input_gradient_benchmark
+
+    def with_histogram(t):  # HistogramFixedWidth has no pfor rule: a while_loop fallback
+        counts = tf.histogram_fixed_width(t, [0.0, 1.0], nbins=3)
+        return t * tf.cast(counts[0], t.dtype)
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Lambda(with_histogram),
+                              keras.layers.Dense(2)])
+    with pytest.raises(RuntimeError, match=r"fell back to a while_loop.*HistogramFixedWidth"):
+        input_gradient_benchmark(model, np.ones((8, 3), "float32"), np.zeros(8, "int64"),
+                                 batch_sizes=(4,))
+
+
 def test_the_command_and_its_workloads_refuse_bad_input_in_process(tmp_path):
     from gradtut.bench.command import format_results, main, run_section
     from gradtut.bench.per_example import benchmark_dp_step, benchmark_keras_hub

@@ -14,6 +14,7 @@ TOL = {"rtol": 1e-5, "atol": 1e-6}
 def test_two_workers_end_identical_and_equal_a_two_replica_mirrored_run():
     results = launch_local_workers("gradtut.data_parallel:train_synthetic", 2, timeout_s=240,
                                    kwargs={"steps": 6})
+    assert [(r["result"]["task"], r["result"]["replicas"]) for r in results] == [(0, 2), (1, 2)]
     w0, w1 = ([np.array(w) for w in r["result"]["weights"]] for r in results)
     assert all(np.array_equal(a, b) for a, b in zip(w0, w1, strict=True))
     mirrored = train_synthetic(6, mirrored_replicas=2)["weights"]

@@ -13,7 +13,8 @@ def input_gradient_benchmark(model, x, target, batch_sizes=(32, 128, 512, 2048),
     """Time four ways of computing per-example input gradients of ``target`` at each batch size.
 
     Methods: ``"loop"`` (one eager tape per example; skipped above ``loop_max_batch``),
-    ``"map_fn"`` (``tf.function``, ``parallel_iterations=10``), ``"vectorized_map"`` and
+    ``"map_fn"`` (``tf.function``, ``parallel_iterations=10``), ``"vectorized_map"`` (checked
+    first to vectorise without a ``while_loop`` fallback) and
     ``"single pass"`` (one backward pass of the summed target, in a ``tf.function``: the pass
     ``gradtut.vectorize.input_gradients`` runs, checked against it once per batch size). All
     four take the same tensors and return a tensor, so none pays a host copy the others do not.
@@ -25,18 +26,27 @@ def input_gradient_benchmark(model, x, target, batch_sizes=(32, 128, 512, 2048),
 
     Returns:
       list of dicts ``{"method", "batch_size", "median_ms", "ratio"}``.
+
+    Raises:
+      ValueError: ``x`` has fewer examples than the largest batch size.
+      RuntimeError: pfor cannot vectorise the per-example function for this model (the
+        ``vectorized_map`` row would time a ``while_loop``).
     """
-    from gradtut.vectorize import input_gradients
+    from gradtut.vectorize import input_gradients, vectorization_report
 
     if len(x) < max(batch_sizes):
         raise ValueError(f"x has {len(x)} examples; the largest batch size is {max(batch_sizes)}")
+
+    classes = model.output_shape[-1]
 
     def one(args):
         xi, ti = args
         xi = xi[None]
         with tf.GradientTape() as tape:
             tape.watch(xi)
-            value = model(xi, training=False)[0, ti]
+            # a one-hot product, not logits[0, ti]: pfor has no batched rule for a slice that
+            # starts at a per-example index, and would fall back to a while_loop
+            value = tf.reduce_sum(model(xi, training=False)[0] * tf.one_hot(ti, classes))
         return tape.gradient(value, xi)[0]
 
     mapped = tf.function(lambda xb, tb: tf.map_fn(one, (xb, tb), fn_output_signature=xb.dtype,
@@ -53,6 +63,9 @@ def input_gradient_benchmark(model, x, target, batch_sizes=(32, 128, 512, 2048),
     def loop(xb, tb):
         return tf.stack([one((xb[i], tb[i])) for i in range(len(xb))])
 
+    report = vectorization_report(one, (tf.constant(x[:2]), tf.constant(np.asarray(target[:2]))))
+    if not report.vectorized:  # then the vectorized_map row would time a while_loop
+        raise RuntimeError(f"pfor fell back to a while_loop for {report.fallback_ops}")
     rows = []
     for batch in batch_sizes:
         xb, tb = x[:batch], np.asarray(target[:batch])
