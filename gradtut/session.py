@@ -137,8 +137,9 @@ def setup(seed=0, virtual_cpus=None, bfc_allocator=True, deterministic=True,
         AVX512_BF16, AVX_VNNI or AMX, tensorflow/core/util/port.cc) already hand large blocks
         to a BFC allocator (mkl_cpu_allocator.h); where oneDNN is off
         (``TF_ENABLE_ONEDNN_OPTS=0``, AVX2-only CPUs, builds without it) notebook 05, section 9,
-        measures materialised per-example gradients 2-4x faster with it. Where it did not help
-        it cost at most 8% in those runs, so it is on by default.
+        measures materialised per-example gradients several times faster with it (2x-7x
+        across runs). Where it did not help it cost at most 8% in those runs, so it is on by
+        default.
       deterministic: call ``tf.config.experimental.enable_op_determinism()``.
       intra_op_threads: None for TensorFlow's default (every core works on each op), or N >= 1
         threads per op. Notebook 04 uses 1, so that two pipeline stages on two virtual CPUs

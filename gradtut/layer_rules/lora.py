@@ -108,19 +108,44 @@ class LoraRule(LayerRule):
         return sums + [tf.tensordot(weights, t, axes=1)
                        for t in self._bias_per_example(layer, g)]
 
+    def _axis_sizes(self, layer, input_shape):
+        """The size of each letter of the layer's einsum that the input shape fixes."""
+        inputs, _, out = einsum.parse(self.base.lora_einsum(layer))
+        if hasattr(self.base, "_steps"):  # EinsumDense: its own equation's axes
+            sizes = dict(zip(inputs, input_shape, strict=True))
+            for c, size in zip(out, layer.compute_output_shape(tuple(input_shape)), strict=True):
+                if sizes.get(c) is None:  # the input's sizes win: the output may leave them open
+                    sizes[c] = size
+            return sizes
+        steps = 1  # Dense, seen as rows "bti,ij->btj": t is every axis between batch and features
+        for s in input_shape[1:-1]:
+            steps = None if s is None or steps is None else steps * s
+        return {"t": steps}
+
     def ghost(self, layer, input_shape):
+        """Whether both adapters take the Gram form (the same test as :meth:`sq_norms`)."""
+        sizes = self._axis_sizes(layer, input_shape)
+        for eq, kernel in zip(equations(self.base.lora_einsum(layer))[:2],
+                              (layer.lora_kernel_a, layer.lora_kernel_b), strict=True):
+            axes = einsum.gram_axes(eq)
+            steps = None if axes is None else 1
+            for c in axes[0] if axes else ():
+                steps = None if sizes.get(c) is None or steps is None else steps * sizes[c]
+            if not einsum.ghost(eq, tuple(kernel.shape), steps):
+                return False
         return True
 
     def sq_norms(self, layer, a, g):
-        """Each adapter by its Gram form where that is cheaper, else materialised: both are
-        small (``B`` is ``[r, n]``), so the layer never materialises a full-kernel gradient."""
+        """Both adapters by their Gram form, or None where either costs less materialised (on
+        sequences longer than the rank, usually): the engine then materialises the adapters'
+        per-example gradients, which are small (``A`` is ``[*, r]``, ``B`` is ``[r, n]``), and
+        reuses them in the clipped sum. A full-kernel gradient is never materialised."""
         kernels = (layer.lora_kernel_a.shape, layer.lora_kernel_b.shape)
         parts = []
         for (eq, x, gz), shape in zip(self._pairs(layer, a, g), kernels, strict=True):
             sq = einsum.sq_norms(eq, x, gz, shape)
             if sq is None:
-                t = einsum.per_example(eq, x, gz)
-                sq = tf.reduce_sum(tf.square(tf.reshape(t, [tf.shape(t)[0], -1])), 1)
+                return None
             parts.append(sq)
         bias = self._bias_per_example(layer, g)
         return tf.add_n(parts + [tf.reduce_sum(tf.square(tf.reshape(t, [tf.shape(t)[0], -1])), 1)
