@@ -361,7 +361,8 @@ def hvp(loss_fn, variables, vector, method="forward_over_reverse"):
       gradient computation (one forward-mode pass over one backward pass);
     - ``"reverse_over_reverse"``: the gradient of ``<grad L, v>`` with a second tape.
 
-    Both cost a small constant times one gradient; the explicit Hessian costs P gradients.
+    Both cost a small constant times one gradient; the explicit Hessian costs P of them (about
+    2P gradients).
 
     Args:
       loss_fn: zero-argument callable returning a scalar (it reads ``variables``).
@@ -404,7 +405,7 @@ def hvp(loss_fn, variables, vector, method="forward_over_reverse"):
 def hessian(loss_fn, variables):
     """The explicit Hessian of a scalar loss over all ``variables``, flattened and
     concatenated: a ``[P, P]`` tensor for P parameters. The slow reference for :func:`hvp`;
-    only for small models (it costs P gradient evaluations and P^2 floats).
+    only for small models (it costs P Hessian-vector products, about 2P gradients, and P^2 floats).
 
     Raises:
       ValueError: no variables, or a loss that is not a scalar.

@@ -89,8 +89,8 @@ def train_with_parameter_servers(strategy, steps, batch_size=32, learning_rate=0
         it was running on the other worker.
       cluster: the :class:`gradtut.cluster.LocalCluster`: needed with ``kill_worker_after``;
         with it, ``"worker"`` holds task indices, without it process ids.
-      timeout_s: seconds for the training; then ``TimeoutError`` (a coordinator otherwise
-        waits for dead workers to come back, forever if none does).
+      timeout_s: seconds for the training; then ``TimeoutError`` (once every worker is dead,
+        a coordinator otherwise waits for one to come back, forever if none does).
 
     Returns:
       dict with, per step in scheduling order, ``"losses"``, ``"worker"`` (the task that ran
@@ -216,8 +216,8 @@ def _finished(remote_value):
 
 
 def _join_before(coordinator, deadline, timeout_s):
-    """``coordinator.join()``, but raise TimeoutError at ``deadline`` instead of waiting for a
-    dead worker forever."""
+    """``coordinator.join()``, but raise TimeoutError at ``deadline`` instead of waiting forever
+    for a worker to come back when none is left."""
     while not coordinator.done():  # done() raises a scheduled step's error, as join() does
         if time.monotonic() > deadline:
             raise TimeoutError(f"parameter-server training did not finish within {timeout_s} s: "

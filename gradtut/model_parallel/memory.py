@@ -72,8 +72,8 @@ def model_memory_report(model, optimizer, batch_size, num_devices, strategy):
     - ``"data"``: each device holds everything and ``batch_size / num_devices`` examples;
     - ``"stage"``: layers split into ``num_devices`` consecutive stages balanced by parameter
       count (as :func:`place_stages` does); each device keeps its stage's weights and, with
-      the GPipe schedule, its layers' activations for the whole batch. The busiest stage is
-      reported;
+      the GPipe schedule, its layers' activations for the whole batch, and every stage but
+      the first also its copy of the activation it received. The busiest stage is reported;
     - ``"tensor"``: Megatron-LM pairs: the 1st, 3rd, ... layers with a kernel split by
       columns, the 2nd, 4th, ... by rows (a layer without a kernel keeps the split of the one
       before). Every weight is split evenly (the replicated row biases left out are
@@ -144,7 +144,15 @@ def model_memory_report(model, optimizer, batch_size, num_devices, strategy):
             raise ValueError(f"{num_devices} stages but the model has only {len(layers)} "
                              "layers: every stage needs at least one layer")
         cuts = [0] + balanced_boundaries([p for p, _, _ in layers], num_devices) + [len(layers)]
-        per_device = [device(layers[a:b], batch_size) for a, b in itertools.pairwise(cuts)]
+        inputs = _input_elements(model) * dtype_bytes
+        per_device = []
+        for a, b in itertools.pairwise(cuts):
+            entry = device(layers[a:b], batch_size)
+            if a > 0:  # a later stage keeps its copy of what it received, for its first layer
+                received = (activations[a - 1] - (inputs if a == 1 else 0)) * batch_size
+                entry["activations"] += received
+                entry["total"] += received
+            per_device.append(entry)
     busiest = dict(max(per_device, key=lambda e: e["total"]))
     busiest.update(strategy=strategy, num_devices=num_devices, batch_size=batch_size,
                    per_device_total=[e["total"] for e in per_device])
