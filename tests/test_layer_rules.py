@@ -209,6 +209,8 @@ def test_lora_dense_has_closed_form_gradients_and_ghost_norms(rank):
     lora.enable_lora(2, lora_alpha=3)
     lora.lora_kernel_b.assign(tf.random.normal(lora.lora_kernel_b.shape))
     assert per_example_plan(model)[0][2] == "dense + lora"
+    # before any norm is traced: the rule's own test (A 6 x 2, B 2 x 4; Gram at 1 position only)
+    assert rule_for(lora).ghost(lora, (None, *shape)) == (rank == 1)
     assert [v.name for v in rule_for(lora).variables(lora)] == ["lora_kernel_a", "lora_kernel_b",
                                                                 "bias"]
     rng = np.random.default_rng(9)
