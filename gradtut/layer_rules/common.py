@@ -1,10 +1,23 @@
 """Shape helpers the rules share: rows over positions, Gram-form squared norms, and the
 mixed ghost-clipping choice (notebook 01, section 7)."""
+import math
+
 import tensorflow as tf
 
 
 def _apply_activation(layer, z):
     return layer.activation(z) if getattr(layer, "activation", None) is not None else z
+
+
+def _positions(sizes):
+    """The product of ``sizes`` (the positions a Gram form sums over), or None if one is
+    unknown.
+
+    Example:
+      >>> _positions([3, 4]), _positions([3, None]), _positions([])
+      (12, None, 1)
+    """
+    return None if any(s is None for s in sizes) else math.prod(sizes)
 
 
 def _rows(t, width):

@@ -10,6 +10,7 @@ from gradtut.layer_rules.common import (
     _channels_last,
     _ghost_is_cheaper,
     _gram_sq_norm,
+    _positions,
     _rows,
 )
 from gradtut.layer_rules.registry import LayerRule, register_rule
@@ -145,10 +146,8 @@ class _ConvRule(LayerRule):
             return False
         out = layer.compute_output_shape(input_shape)
         spatial = out[1:-1] if layer.data_format == "channels_last" else out[2:]
-        steps = 1
-        for s in spatial:
-            steps = None if s is None or steps is None else steps * s
-        return _ghost_is_cheaper(steps, math.prod(layer.kernel.shape[:-1]), layer.filters)
+        return _ghost_is_cheaper(_positions(spatial), math.prod(layer.kernel.shape[:-1]),
+                                 layer.filters)
 
     def sq_norms(self, layer, a, g):
         if layer.groups != 1:

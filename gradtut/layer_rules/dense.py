@@ -8,6 +8,7 @@ from gradtut.layer_rules.common import (
     _ghost_is_cheaper,
     _gram_sq_norm,
     _outer_products,
+    _positions,
     _rows,
 )
 from gradtut.layer_rules.lora import LoraCapable
@@ -68,10 +69,7 @@ class DenseRule(LoraCapable, LayerRule):
         return [kernel] + ([tf.reduce_sum(g, 1)] if layer.bias is not None else [])
 
     def ghost(self, layer, input_shape):
-        steps = 1
-        for s in input_shape[1:-1]:
-            steps = None if s is None or steps is None else steps * s
-        return _ghost_is_cheaper(steps, *layer.kernel.shape)
+        return _ghost_is_cheaper(_positions(input_shape[1:-1]), *layer.kernel.shape)
 
     def sq_norms(self, layer, a, g):
         if a.shape.rank == 2:  # Goodfellow: ||a g^T||^2 = ||a||^2 ||g||^2, and ||g||^2 for the bias

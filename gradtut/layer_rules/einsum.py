@@ -11,7 +11,7 @@ import math
 
 import tensorflow as tf
 
-from gradtut.layer_rules.common import _ghost_is_cheaper, _gram_sq_norm
+from gradtut.layer_rules.common import _ghost_is_cheaper, _gram_sq_norm, _positions
 
 
 def parse(equation):
@@ -74,6 +74,13 @@ def gram_axes(equation):
     if sorted(shared) != sorted(c for c in out[1:] if c not in kernel):
         return None
     return "".join(shared), "".join(k_in), "".join(k_out)
+
+
+def positions(equation, sizes):
+    """The shared positions of ``equation``'s Gram form, from a letter -> size map; None where
+    the form does not apply or a size is unknown."""
+    axes = gram_axes(equation)
+    return None if axes is None else _positions([sizes.get(c) for c in axes[0]])
 
 
 def ghost(equation, kernel_shape, steps):

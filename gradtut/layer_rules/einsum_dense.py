@@ -55,15 +55,8 @@ class EinsumDenseRule(LoraCapable, LayerRule):
 
     def _steps(self, layer, input_shape, equation):
         """The number of shared positions (for the Gram form), from the input shape."""
-        axes = einsum.gram_axes(equation)
-        if axes is None:
-            return None
         inputs, _, _ = einsum.parse(layer.equation)
-        size = dict(zip(inputs, input_shape, strict=True))
-        steps = 1
-        for c in axes[0]:
-            steps = None if size.get(c) is None or steps is None else steps * size[c]
-        return steps
+        return einsum.positions(equation, dict(zip(inputs, input_shape, strict=True)))
 
     def ghost(self, layer, input_shape):
         return einsum.ghost(layer.equation, layer.kernel.shape,

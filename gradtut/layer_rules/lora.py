@@ -15,7 +15,7 @@ so with ``g = dL/dz`` each adapter's per-example gradient and Gram norm come fro
 import tensorflow as tf
 
 from gradtut.layer_rules import einsum
-from gradtut.layer_rules.common import _apply_activation
+from gradtut.layer_rules.common import _apply_activation, _positions
 from gradtut.layer_rules.registry import LayerRule, _check_layer
 
 
@@ -117,21 +117,15 @@ class LoraRule(LayerRule):
                 if sizes.get(c) is None:  # the input's sizes win: the output may leave them open
                     sizes[c] = size
             return sizes
-        steps = 1  # Dense, seen as rows "bti,ij->btj": t is every axis between batch and features
-        for s in input_shape[1:-1]:
-            steps = None if s is None or steps is None else steps * s
-        return {"t": steps}
+        # Dense, seen as rows "bti,ij->btj": t is every axis between batch and features
+        return {"t": _positions(input_shape[1:-1])}
 
     def ghost(self, layer, input_shape):
         """Whether both adapters take the Gram form (the same test as :meth:`sq_norms`)."""
         sizes = self._axis_sizes(layer, input_shape)
         for eq, kernel in zip(equations(self.base.lora_einsum(layer))[:2],
                               (layer.lora_kernel_a, layer.lora_kernel_b), strict=True):
-            axes = einsum.gram_axes(eq)
-            steps = None if axes is None else 1
-            for c in axes[0] if axes else ():
-                steps = None if sizes.get(c) is None or steps is None else steps * sizes[c]
-            if not einsum.ghost(eq, tuple(kernel.shape), steps):
+            if not einsum.ghost(eq, tuple(kernel.shape), einsum.positions(eq, sizes)):
                 return False
         return True
 

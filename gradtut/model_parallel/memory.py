@@ -110,6 +110,7 @@ def model_memory_report(model, optimizer, batch_size, num_devices, strategy):
     slots = optimizer_slots(optimizer)
     dtype_bytes = np.dtype(keras.backend.standardize_dtype(model.compute_dtype)).itemsize
     activations = [e * dtype_bytes for e in _activation_elements(model)]
+    inputs = _input_elements(model) * dtype_bytes  # kept whole, by a tensor or stage split
     computing = _computing_layers(model)
     layers = [(_bytes(layer.weights), _bytes(layer.trainable_weights), act)
               for layer, act in zip(computing, activations, strict=True)]
@@ -128,7 +129,6 @@ def model_memory_report(model, optimizer, batch_size, num_devices, strategy):
         per_device = [device(layers, batch_size // num_devices)] * num_devices
     elif strategy == "tensor":
         entry = device(layers, batch_size, share=num_devices)
-        inputs = _input_elements(model) * dtype_bytes
         per_example, split, kernels = inputs, False, 0
         for i, (layer, act) in enumerate(zip(computing, activations, strict=True)):
             if getattr(layer, "kernel", None) is not None:  # pairs: a column, then a row layer
@@ -144,7 +144,6 @@ def model_memory_report(model, optimizer, batch_size, num_devices, strategy):
             raise ValueError(f"{num_devices} stages but the model has only {len(layers)} "
                              "layers: every stage needs at least one layer")
         cuts = [0] + balanced_boundaries([p for p, _, _ in layers], num_devices) + [len(layers)]
-        inputs = _input_elements(model) * dtype_bytes
         per_device = []
         for a, b in itertools.pairwise(cuts):
             entry = device(layers[a:b], batch_size)
