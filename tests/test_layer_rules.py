@@ -257,6 +257,23 @@ def test_lora_einsum_dense_ghost_norms_equal_materialised_ones():
     assert took_gram == {1: True, 3: False, 9: False}
 
 
+def test_einsum_positions_count_the_rows_each_example_contributes():
+    """positions() against a count made without it: the rows in the per-example matmul of a
+    Gram form are the input's elements per example over the kernel's input letters."""
+    from gradtut.layer_rules import einsum
+
+    for equation, shape, kernel_in in (("btd,de->bte", (2, 5, 3), 3),
+                                       ("bthd,de->bthe", (2, 4, 3, 6), 6),
+                                       ("bd,de->be", (2, 7), 7),
+                                       ("btd,dhk->bthk", (2, 6, 8), 8)):
+        sizes = dict(zip(equation.split(",")[0], shape, strict=True))
+        rows = int(np.prod(shape[1:])) // kernel_in
+        assert einsum.positions(equation, sizes) == rows, equation
+        unknown = einsum.positions(equation, {**sizes, "t": None})
+        assert unknown == (None if "t" in sizes else rows), equation
+    assert einsum.positions("bti,tij->btj", {"b": 2, "t": 3, "i": 4}) is None  # no Gram form
+
+
 REPRODUCTION = textwrap.dedent("""
     import numpy as np, tensorflow as tf
     rng = np.random.default_rng(0)
@@ -536,6 +553,8 @@ def test_the_package_helpers_refuse_bad_arguments():
         einsum.parse("bi,ij")
     with pytest.raises(ValueError, match=bad):
         einsum.gram_axes("bi;ij->bj")
+    with pytest.raises(ValueError, match=bad):
+        einsum.positions("bti,ij", {"t": 3})  # no "->" output
     with pytest.raises(ValueError, match=bad):
         einsum.ghost("bi,ij->cj", (3, 4), 2)  # the batch letter not kept
     with pytest.raises(ValueError, match=bad):

@@ -78,7 +78,15 @@ def gram_axes(equation):
 
 def positions(equation, sizes):
     """The shared positions of ``equation``'s Gram form, from a letter -> size map; None where
-    the form does not apply or a size is unknown."""
+    the form does not apply or a size is unknown.
+
+    Example (``t`` is the one shared letter: 5 positions; unknown, or a kernel indexed by
+    ``t`` so that no Gram form applies):
+      >>> sizes = {"b": 2, "t": 5, "d": 3, "e": 4}
+      >>> (positions("btd,de->bte", sizes), positions("btd,de->bte", {}),
+      ...  positions("bti,tij->btj", sizes))
+      (5, None, None)
+    """
     axes = gram_axes(equation)
     return None if axes is None else _positions([sizes.get(c) for c in axes[0]])
 
