@@ -257,6 +257,35 @@ def test_lora_einsum_dense_ghost_norms_equal_materialised_ones():
     assert took_gram == {1: True, 3: False, 9: False}
 
 
+@pytest.mark.parametrize("make, shape", [
+    (lambda: keras.layers.Dense(1), (5, 4)),  # 2-D: Goodfellow's product, even at 4 x 1
+    (lambda: keras.layers.Dense(6, use_bias=False), (5, 9)),
+    (lambda: keras.layers.Dense(1), (5, 3, 4)),  # 4 > 3 * 5: materialised
+    (lambda: keras.layers.Dense(16), (5, 2, 16)),
+    (lambda: keras.layers.Dense(16), (5, 9, 16)),
+    (lambda: keras.layers.EinsumDense("btd,de->bte", output_shape=(None, 12), bias_axes="e"),
+     (5, 2, 12)),
+    (lambda: keras.layers.EinsumDense("btd,de->bte", output_shape=(None, 12)), (5, 7, 12)),
+    (lambda: keras.layers.Conv1D(8, 3), (5, 6, 4)),
+    (lambda: keras.layers.Conv1D(8, 3), (5, 30, 4)),
+    (lambda: keras.layers.Conv2D(4, 2, groups=2), (5, 3, 3, 4)),
+], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else "")
+def test_the_plans_ghost_label_is_the_form_sq_norms_takes(make, shape):
+    """rule.ghost (what ghost_norm_plan prints before any trace) says Gram form exactly where
+    rule.sq_norms takes it, and that form equals the materialised gradients' norms."""
+    keras.utils.set_random_seed(11)
+    layer = make()
+    layer.build((None,) + shape[1:])
+    rule = rule_for(layer)
+    _, a, z = rule.forward(layer, tf.random.normal(shape))
+    g = tf.random.normal(z.shape)
+    sq = rule.sq_norms(layer, a, g)
+    assert rule.ghost(layer, (None,) + shape[1:]) == (sq is not None)
+    if sq is not None:
+        assert_gradients_close(sq, sum(squared_norms(t) for t in rule.per_example(layer, a, g)),
+                               **TOL)
+
+
 def test_einsum_positions_count_the_rows_each_example_contributes():
     """positions() against a count made without it: the rows in the per-example matmul of a
     Gram form are the input's elements per example over the kernel's input letters."""
