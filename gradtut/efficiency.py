@@ -168,7 +168,8 @@ def peak_memory(fn, *args, fresh_process=None, timeout_s=600):
     ``fn(*args)`` call.
 
     Allocator statistics need the BFC allocator, which must be chosen before TensorFlow starts
-    (``TF_CPU_ALLOCATOR_USE_BFC=true``; ``gradtut.setup()`` does it). In a process without it,
+    (``TF_CPU_ALLOCATOR_USE_BFC=true``; ``gradtut.setup()`` does it), or the plain allocator
+    with oneDNN on (notebook 05, section 9). In a process without statistics,
     or with ``fresh_process=True``, the call runs in a new Python process that has it, after one
     warm-up call there; the child is killed if it outlives ``timeout_s``.
 

@@ -121,8 +121,9 @@ def compare_timings(callables, reference=None, warmup=1, repeats=7):
 def peak_memory_bytes(fn, *args, device="CPU:0"):
     """Peak bytes the TensorFlow allocator held above its starting level during ``fn(*args)``.
 
-    Needs allocator statistics: on a CPU that means the BFC allocator, which
-    ``gradtut.setup()`` switches on (``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow starts).
+    Needs allocator statistics: on a CPU, the BFC allocator, which ``gradtut.setup()``
+    switches on (``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow starts), or the plain
+    allocator with oneDNN on (notebook 05, section 9).
 
     Raises:
       TypeError: ``fn`` is not callable.

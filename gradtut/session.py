@@ -129,10 +129,13 @@ def setup(seed=0, virtual_cpus=None, bfc_allocator=True, deterministic=True,
         (``keras.utils.set_random_seed``).
       virtual_cpus: None to keep TensorFlow's one CPU device, or N >= 1 to split the physical CPU
         into N logical devices ``/device:CPU:0`` ... ``CPU:N-1`` (data- and model-parallel
-        notebooks use these; they share the same cores, so they show structure, not speed).
+        notebooks use these). They share the machine's cores: more devices than cores show
+        structure, not speed; with ``intra_op_threads=1`` each op uses one core, so up to one
+        device per core can work at once (notebook 04).
       bfc_allocator: use TensorFlow's BFC allocator on the CPU (``TF_CPU_ALLOCATOR_USE_BFC=true``).
         It reuses freed memory instead of asking the OS for fresh pages, and it makes
-        ``tf.config.experimental.get_memory_info("CPU:0")`` (peak memory) work. x86-64 Linux
+        ``tf.config.experimental.get_memory_info("CPU:0")`` (peak memory) work (with oneDNN
+        on, the plain allocator keeps statistics too; notebook 05, section 9). x86-64 Linux
         builds with oneDNN on (TensorFlow's default on Linux on CPUs with AVX512_VNNI,
         AVX512_BF16, AVX_VNNI or AMX, tensorflow/core/util/port.cc) already hand large blocks
         to a BFC allocator (mkl_cpu_allocator.h); where oneDNN is off
@@ -216,8 +219,9 @@ def setup(seed=0, virtual_cpus=None, bfc_allocator=True, deterministic=True,
 
 
 def allocator_has_stats(device="CPU:0"):
-    """Whether TensorFlow's allocator on ``device`` keeps memory statistics (on a CPU: only the
-    BFC allocator, chosen before TensorFlow starts; :func:`setup` does it).
+    """Whether TensorFlow's allocator on ``device`` keeps memory statistics (on a CPU: the BFC
+    allocator, chosen before TensorFlow starts, as :func:`setup` does, or the plain allocator
+    with oneDNN on, which hands large blocks to a BFC allocator; notebook 05, section 9).
 
     Example:
       >>> allocator_has_stats("CPU:0") in (True, False)

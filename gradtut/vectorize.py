@@ -442,16 +442,18 @@ def integrated_gradients(model, x, baseline=None, target=None, steps=64, batch_s
 
     ``(x - baseline) * mean over a in [0, 1] of grad f(baseline + a (x - baseline))``, with the
     path integral approximated by the trapezoidal rule on ``steps`` intervals. Completeness:
-    the attributions of an example add up to ``f(x) - f(baseline)``; the error shrinks as
-    ``steps`` grows (below 1% of ``|f(x) - f(baseline)|`` at 64 steps for the smooth and ReLU
-    models in the tests; check it on yours with :func:`completeness_gap`).
+    the attributions of an example add up to ``f(x) - f(baseline)``; the error tends to shrink
+    as ``steps`` grows, not monotonically for ReLU models (below 1% of
+    ``|f(x) - f(baseline)|`` at 64 steps for the smooth and ReLU models in the tests; check it
+    on yours with :func:`completeness_gap`).
 
     Args:
       model, target: as in :func:`input_gradients`.
       x: float inputs ``[N, ...]``.
       baseline: ``[N, ...]`` or one example ``[...]`` to start the path from; None means zeros.
       steps: number of intervals on the path (>= 1); the model runs on ``steps + 1`` points.
-      batch_size: how many path points (examples x steps) per chunk, or None for all at once.
+      batch_size: how many path points (examples x (steps + 1)) per chunk, or None for all at
+        once.
 
     Returns:
       ``np.ndarray`` shaped like ``x``.
@@ -579,9 +581,10 @@ def make_batched_input_gradient(model):
 def map_fn_timings(model, x, parallel_iterations=(1, 2, 4, 10), repeats=5, eager=True):
     """Median ms of ``tf.map_fn`` over ``x`` with the per-example input gradient.
 
-    Returns dict ``{label: Timing}`` for eager (if asked) and each ``parallel_iterations`` in a
-    ``tf.function``, plus ``"vectorized_map"`` and ``"one batched pass"``, all timed in the same
-    interleaved rounds; ratios are against the eager map_fn (or the first graph variant).
+    Returns a list of ``Timing`` (``.name`` the label, ``.median_ms``, ``.ratio``) in this
+    order: eager (if asked), each ``parallel_iterations`` in a ``tf.function``, then
+    ``"vectorized_map"`` and ``"one batched pass"``, all timed in the same interleaved rounds;
+    ratios are against the eager map_fn (or the first graph variant).
 
     Raises:
       TypeError: as :func:`make_per_example_input_gradient`.

@@ -356,6 +356,11 @@ def test_memory_report_arithmetic():
     # Megatron pairs: the input and the row layer's output (256) are whole on every device
     assert tensor["activations"] == 32 * 4 * (64 + 128 // 2 + 256 + 10 // 2)
     assert tensor["total"] == 2 * (weights // 2) + weights // 2 + tensor["activations"]
+    # over 4 devices the 10 logits do not divide: the busiest device holds 3 of them, and the
+    # weights' bytes round up too
+    four = mp.model_memory_report(model, keras.optimizers.SGD(), 32, 4, "tensor")
+    assert four["activations"] == 32 * 4 * (64 + 128 // 4 + 256 + 3)
+    assert four["parameters"] == -(-weights // 4) and 4 * four["parameters"] >= weights
     # the same model built functionally (which lists an InputLayer), and with a Dropout after
     # the column layer (whose output it keeps split): the same arithmetic
     inputs = keras.Input((64,))

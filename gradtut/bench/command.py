@@ -21,6 +21,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import time
 
 SECTIONS = ("per_example", "input_gradients", "data_parallel", "pipeline", "efficiency")
@@ -123,13 +124,16 @@ def _data_parallel(quick):
     from gradtut.data_parallel import train_synthetic
 
     steps = 20 if quick else 60
-    base = train_synthetic(steps)["median_step_ms"]
-    rows = [_row("1 device", base, "ms per step", 1.0, "1 device")]
-    for replicas in (2, 4):
-        ms = train_synthetic(steps, mirrored_replicas=replicas)["median_step_ms"]
-        rows.append(_row(f"{replicas} replicas (MirroredStrategy)", ms, "ms per step",
-                         ms / base, "1 device"))
-    return "CPU (4 virtual devices sharing the cores)", rows
+    configs = {"1 device": None, "2 replicas (MirroredStrategy)": 2,
+               "4 replicas (MirroredStrategy)": 4}
+    runs = {name: [] for name in configs}
+    for _ in range(1 if quick else 3):  # interleaved rounds: each configuration once per round
+        for name, replicas in configs.items():
+            runs[name].append(train_synthetic(steps, mirrored_replicas=replicas)["median_step_ms"])
+    ms = {name: statistics.median(times) for name, times in runs.items()}
+    return "CPU (4 virtual devices sharing the cores)", [
+        _row(name, ms[name], "ms per step", ms[name] / ms["1 device"], "1 device")
+        for name in configs]
 
 
 def _pipeline(quick):

@@ -43,8 +43,9 @@ def _write_floor_fn(model):
 
 def _matmul_floor_fn(model, batch_size):
     """Writes every Dense kernel's per-example gradient, ``[B, d, 1] @ [B, 1, n]`` for each
-    Dense layer, from fixed random inputs: the arithmetic ``outer`` cannot avoid, and
-    nothing else (no forward or backward pass)."""
+    Dense layer, from fixed random inputs: the batched-matmul way to write the products that
+    ``outer`` writes, and nothing else (no forward or backward pass). A reference point, not
+    a bound: ``outer`` writes them with XLA's broadcast multiply, which can be faster."""
     rng = np.random.default_rng(1)
     pairs = [(tf.constant(rng.normal(size=(batch_size, d, 1)).astype("float32")),
               tf.constant(rng.normal(size=(batch_size, 1, n)).astype("float32")))
@@ -68,10 +69,11 @@ def benchmark_per_example(batch_sizes=(32, 256, 1024), methods=ALL, repeats=5,
       methods: names from ``ALL``: the methods of ``per_example_gradients`` plus
         ``"ghost norms"`` (``per_example_gradient_norms``), ``"clipped"``
         (``clipped_gradient``) and ``"write floor"``: the time to fill a fresh
-        ``[B, number of parameters]`` float32 tensor, a lower bound for any method that
-        materialises per-example gradients; ``"matmul floor"``: the batched matmuls that
-        write each Dense kernel's per-example gradient, the arithmetic ``"outer"`` cannot
-        avoid (the MLP's kernels; ``outer`` over it is what that method adds).
+        ``[B, number of parameters]`` float32 tensor, what any method that materialises
+        per-example gradients must at least write (a reference, not a strict bound: timings
+        vary); ``"matmul floor"``: the batched matmuls that write each Dense kernel's
+        per-example gradient (the MLP's kernels), a reference point for ``"outer"``, not a
+        bound (``outer`` writes the same products another way and can beat it).
       repeats: timed rounds per batch size (plus one warm-up round).
       input_dim, hidden, classes: the MLP's sizes (``classes`` for every model).
       model: ``"mlp"``, ``"cnn"`` or ``"transformer"`` (see ``MODELS``).

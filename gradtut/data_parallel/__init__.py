@@ -10,7 +10,7 @@ One module per topic, in the order notebook 03 teaches them:
 - ``steps`` (sections 1-3): :func:`make_train_step`, the single-device reference
   :func:`single_device_step`, :func:`regularization_gradients`, and the replica-mean mistake
   :func:`replica_mean_loss_mistake`;
-- ``cost_model`` (sections 4 and 8): :func:`ring_allreduce_seconds` and
+- ``cost_model`` (section 4 and the answer to exercise 3): :func:`ring_allreduce_seconds` and
   :func:`predicted_step_seconds`;
 - ``accumulation`` (section 5): :func:`make_accumulating_train_step`;
 - ``multi_worker`` (sections 6-8): :func:`train_synthetic` in real worker processes, with

@@ -1,5 +1,5 @@
 """The ring all-reduce cost model: seconds to sum a gradient over workers, and the step time
-it predicts (notebook 03, sections 4 and 8)."""
+it predicts (notebook 03, section 4 and the answer to exercise 3)."""
 from gradtut.checks import check_int, check_real
 
 

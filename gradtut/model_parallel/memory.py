@@ -76,7 +76,8 @@ def model_memory_report(model, optimizer, batch_size, num_devices, strategy):
       the first also its copy of the activation it received. The busiest stage is reported;
     - ``"tensor"``: Megatron-LM pairs: the 1st, 3rd, ... layers with a kernel split by
       columns, the 2nd, 4th, ... by rows (a layer without a kernel keeps the split of the one
-      before). Every weight is split evenly (the replicated row biases left out are
+      before). Every weight is split as evenly as its width allows, the busiest device taking
+      the larger share where it does not divide (the replicated row biases left out are
       small). A column layer's output is split too, but a row layer's output, after its
       all-reduce, is whole on every device, and so is the model's input: those activations
       are not divided.
@@ -116,9 +117,9 @@ def model_memory_report(model, optimizer, batch_size, num_devices, strategy):
               for layer, act in zip(computing, activations, strict=True)]
 
     def device(group, examples, share=1):
-        params = sum(p for p, _, _ in group) // share
-        trainable = sum(t for _, t, _ in group) // share
-        acts = sum(a for _, _, a in group) * examples // share
+        params = -(-sum(p for p, _, _ in group) // share)  # rounded up: the busiest device
+        trainable = -(-sum(t for _, t, _ in group) // share)
+        acts = -(-sum(a for _, _, a in group) * examples // share)
         entry = {"parameters": params, "gradients": trainable,
                  "optimizer_state": slots * trainable, "activations": acts}
         entry["total"] = sum(entry.values())
@@ -134,7 +135,8 @@ def model_memory_report(model, optimizer, batch_size, num_devices, strategy):
             if getattr(layer, "kernel", None) is not None:  # pairs: a column, then a row layer
                 split, kernels = kernels % 2 == 0, kernels + 1
             output = act - inputs if i == 0 else act  # other layers follow the one before
-            per_example += output // num_devices if split else output
+            shard = -(-output // (num_devices * dtype_bytes)) * dtype_bytes  # whole elements
+            per_example += shard if split else output
         entry["activations"] = per_example * batch_size
         entry["total"] = sum(entry[k] for k in
                              ("parameters", "gradients", "optimizer_state", "activations"))

@@ -29,8 +29,10 @@ def _microbatch_sizes(batch, num_microbatches):
 
 def _weighted_loss(loss_fn, y, y_pred, batch):
     """This micro-batch's share of the full-batch mean loss: its per-example losses summed,
-    over the full batch size. A loss that is already reduced is refused: a sum would make the
-    gradient grow with the micro-batch count, and a mean hides each micro-batch's size."""
+    over the full batch size. A loss that is already reduced is refused, so that this division
+    is the only one: a mean would divide each micro-batch by its own size (wrong by that size),
+    and a scalar sum, which would happen to give the same result, is refused with it for one
+    simple rule: per-example losses in, the pipeline weighs them."""
     loss = tf.cast(loss_fn(y, y_pred), tf.float32)
     if loss.shape.rank != 1:
         raise ValueError(
