@@ -409,6 +409,12 @@ def test_compare_compilation_checks_agreement_and_returns_ratios():
 
     with pytest.raises(AssertionError, match="tf.function disagrees with eager"):
         eff.compare_compilation(differs_when_traced, x, repeats=1)
+    def keeps_an_axis_when_traced(x):  # the same values, shape (1, 4) against (4,)
+        return x[0] if tf.executing_eagerly() else x[:1]
+
+    with pytest.raises(AssertionError, match=r"tf.function disagrees with eager in output 0: "
+                                             r"shape \(1, 4\) against \(4,\)"):
+        eff.compare_compilation(keeps_an_axis_when_traced, x, repeats=1)
     with pytest.raises(TypeError, match="fn must be a callable of tensors, got 'step'"):
         eff.compare_compilation("step", x)
     with pytest.raises(ValueError, match=r"fn cannot be traced by tf.function \(needed for the "
