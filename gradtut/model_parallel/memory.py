@@ -76,11 +76,11 @@ def model_memory_report(model, optimizer, batch_size, num_devices, strategy):
       the first also its copy of the activation it received. The busiest stage is reported;
     - ``"tensor"``: Megatron-LM pairs: the 1st, 3rd, ... layers with a kernel split by
       columns, the 2nd, 4th, ... by rows (a layer without a kernel keeps the split of the one
-      before). Every weight is split as evenly as its width allows, the busiest device taking
-      the larger share where it does not divide (the replicated row biases left out are
-      small). A column layer's output is split too, but a row layer's output, after its
-      all-reduce, is whole on every device, and so is the model's input: those activations
-      are not divided.
+      before). The weights' bytes are divided by the number of devices, rounded up (uneven
+      column splits and the replicated row biases are left out: small). A column layer's
+      output is split too, rounded up to whole elements (the busiest device takes the larger
+      share), but a row layer's output, after its all-reduce, is whole on every device, and
+      so is the model's input: those activations are not divided.
 
     Args:
       model: a built Keras model whose layers have known output shapes.
