@@ -467,7 +467,8 @@ def compare_compilation(fn, *args, repeats=7, rtol=1e-2, atol=1e-6):
       ``ratio`` is the median time over the eager median (below 1 means faster).
 
     Raises:
-      AssertionError: the compiled versions disagree with eager beyond the tolerance.
+      AssertionError: the compiled versions disagree with eager beyond the tolerance, in an
+        output's shape, or in the number of outputs.
       TypeError: ``fn`` cannot be called.
       ValueError: ``fn`` cannot be traced (it calls ``.numpy()``, or converts a tensor to a
         Python or NumPy value).
@@ -494,6 +495,9 @@ def compare_compilation(fn, *args, repeats=7, rtol=1e-2, atol=1e-6):
     scale = max(float(np.max(np.abs(b), initial=0.0)) for b in expected)
     for name in ("tf.function", "xla"):
         got = [np.asarray(t) for t in tf.nest.flatten(_traced_call(versions[name], name, args))]
+        if len(got) != len(expected):
+            raise AssertionError(f"{name} disagrees with eager: it returns {len(got)} outputs "
+                                 f"against {len(expected)}")
         for i, (a, b) in enumerate(zip(got, expected, strict=True)):
             if a.shape != b.shape:
                 raise AssertionError(f"{name} disagrees with eager in output {i}: shape "

@@ -415,6 +415,12 @@ def test_compare_compilation_checks_agreement_and_returns_ratios():
     with pytest.raises(AssertionError, match=r"tf.function disagrees with eager in output 0: "
                                              r"shape \(1, 4\) against \(4,\)"):
         eff.compare_compilation(keeps_an_axis_when_traced, x, repeats=1)
+    def drops_an_output_when_traced(x):
+        return (x, x + 1) if tf.executing_eagerly() else (x,)
+
+    with pytest.raises(AssertionError, match="tf.function disagrees with eager: it returns 1 "
+                                             "outputs against 2"):
+        eff.compare_compilation(drops_an_output_when_traced, x, repeats=1)
     with pytest.raises(TypeError, match="fn must be a callable of tensors, got 'step'"):
         eff.compare_compilation("step", x)
     with pytest.raises(ValueError, match=r"fn cannot be traced by tf.function \(needed for the "

@@ -260,7 +260,7 @@ def test_lora_einsum_dense_ghost_norms_equal_materialised_ones():
 @pytest.mark.parametrize("make, shape", [
     (lambda: keras.layers.Dense(1), (5, 4)),  # 2-D: Goodfellow's product, even at 4 x 1
     (lambda: keras.layers.Dense(6, use_bias=False), (5, 9)),
-    (lambda: keras.layers.Dense(1), (5, 3, 4)),  # 4 > 3 * 5: materialised
+    (lambda: keras.layers.Dense(1), (5, 3, 4)),  # 4 * 1 <= 3 * (4 + 1): materialised
     (lambda: keras.layers.Dense(16), (5, 2, 16)),
     (lambda: keras.layers.Dense(16), (5, 9, 16)),
     (lambda: keras.layers.EinsumDense("btd,de->bte", output_shape=(None, 12), bias_axes="e"),

@@ -356,11 +356,19 @@ def test_memory_report_arithmetic():
     # Megatron pairs: the input and the row layer's output (256) are whole on every device
     assert tensor["activations"] == 32 * 4 * (64 + 128 // 2 + 256 + 10 // 2)
     assert tensor["total"] == 2 * (weights // 2) + weights // 2 + tensor["activations"]
-    # over 4 devices the 10 logits do not divide: the busiest device holds 3 of them, and the
-    # weights' bytes round up too
+    # over 4 devices the 10 logits do not divide: the busiest device holds 3 of them; over 3,
+    # every weight's elements round up on the busiest device (64 * 128 = 8192 -> 2731, ...)
     four = mp.model_memory_report(model, keras.optimizers.SGD(), 32, 4, "tensor")
     assert four["activations"] == 32 * 4 * (64 + 128 // 4 + 256 + 3)
-    assert four["parameters"] == -(-weights // 4) and 4 * four["parameters"] >= weights
+    three = mp.model_memory_report(model, keras.optimizers.SGD(), 32, 3, "tensor")
+    sizes = [64 * 128, 128, 128 * 256, 256, 256 * 10, 10]
+    assert three["parameters"] == 4 * sum(-(-n // 3) for n in sizes) > weights // 3
+    assert three["activations"] == 32 * 4 * (64 + 43 + 256 + 4)
+    # a column split divides only the last axis: [B, 3, 10] over 4 holds 3 x 3 per example
+    tokens = keras.Sequential([keras.Input((3, 8)), keras.layers.Dense(10),
+                               keras.layers.Dense(8)])
+    split = mp.model_memory_report(tokens, keras.optimizers.SGD(), 2, 4, "tensor")
+    assert split["activations"] == 2 * 4 * (3 * 8 + 3 * 3 + 3 * 8)
     # the same model built functionally (which lists an InputLayer), and with a Dropout after
     # the column layer (whose output it keeps split): the same arithmetic
     inputs = keras.Input((64,))

@@ -69,7 +69,7 @@ class DenseRule(LoraCapable, LayerRule):
         return [kernel] + ([tf.reduce_sum(g, 1)] if layer.bias is not None else [])
 
     def ghost(self, layer, input_shape):
-        if len(input_shape) == 2:  # Goodfellow's product: m + n numbers, never more than m n
+        if len(input_shape) == 2:  # Goodfellow's product: ||a||^2 ||g||^2, from a and g alone
             return True
         return _ghost_is_cheaper(_positions(input_shape[1:-1]), *layer.kernel.shape)
 

@@ -9,8 +9,11 @@ from gradtut.model_parallel.placement import balanced_boundaries
 from gradtut.model_parallel.tensor_parallel import _check_divisible
 
 
-def _bytes(variables):
-    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
+def _bytes(variables, share=1):
+    """Bytes of ``variables``, each split ``share`` ways: the busiest device's whole
+    elements (rounded up)."""
+    return sum(-(-int(np.prod(v.shape)) // share) * np.dtype(v.dtype).itemsize
+               for v in variables)
 
 
 def optimizer_slots(optimizer):
@@ -76,10 +79,10 @@ def model_memory_report(model, optimizer, batch_size, num_devices, strategy):
       the first also its copy of the activation it received. The busiest stage is reported;
     - ``"tensor"``: Megatron-LM pairs: the 1st, 3rd, ... layers with a kernel split by
       columns, the 2nd, 4th, ... by rows (a layer without a kernel keeps the split of the one
-      before). The weights' bytes are divided by the number of devices, rounded up (uneven
-      column splits and the replicated row biases are left out: small). A column layer's
-      output is split too, rounded up to whole elements (the busiest device takes the larger
-      share), but a row layer's output, after its all-reduce, is whole on every device, and
+      before). Every weight is divided by the number of devices, and a column layer's output
+      along its last axis, in whole elements: where they do not divide, the busiest device
+      holds the larger share (the replicated row biases are left out: small). A row layer's
+      output, after its all-reduce, is whole on every device, and
       so is the model's input: those activations are not divided.
 
     Args:
@@ -116,10 +119,10 @@ def model_memory_report(model, optimizer, batch_size, num_devices, strategy):
     layers = [(_bytes(layer.weights), _bytes(layer.trainable_weights), act)
               for layer, act in zip(computing, activations, strict=True)]
 
-    def device(group, examples, share=1):
-        params = -(-sum(p for p, _, _ in group) // share)  # rounded up: the busiest device
-        trainable = -(-sum(t for _, t, _ in group) // share)
-        acts = -(-sum(a for _, _, a in group) * examples // share)
+    def device(group, examples):
+        params = sum(p for p, _, _ in group)
+        trainable = sum(t for _, t, _ in group)
+        acts = sum(a for _, _, a in group) * examples
         entry = {"parameters": params, "gradients": trainable,
                  "optimizer_state": slots * trainable, "activations": acts}
         entry["total"] = sum(entry.values())
@@ -129,14 +132,18 @@ def model_memory_report(model, optimizer, batch_size, num_devices, strategy):
         _check_divisible(batch_size, num_devices, "the batch size")
         per_device = [device(layers, batch_size // num_devices)] * num_devices
     elif strategy == "tensor":
-        entry = device(layers, batch_size, share=num_devices)
+        trainable = sum(_bytes(layer.trainable_weights, num_devices) for layer in computing)
+        entry = {"parameters": sum(_bytes(layer.weights, num_devices) for layer in computing),
+                 "gradients": trainable, "optimizer_state": slots * trainable}
         per_example, split, kernels = inputs, False, 0
         for i, (layer, act) in enumerate(zip(computing, activations, strict=True)):
             if getattr(layer, "kernel", None) is not None:  # pairs: a column, then a row layer
                 split, kernels = kernels % 2 == 0, kernels + 1
             output = act - inputs if i == 0 else act  # other layers follow the one before
-            shard = -(-output // (num_devices * dtype_bytes)) * dtype_bytes  # whole elements
-            per_example += shard if split else output
+            if split:  # a column split divides the last axis: the busiest device's share
+                *middle, width = layer.output.shape[1:]
+                output = int(np.prod(middle)) * -(-width // num_devices) * dtype_bytes
+            per_example += output
         entry["activations"] = per_example * batch_size
         entry["total"] = sum(entry[k] for k in
                              ("parameters", "gradients", "optimizer_state", "activations"))
