@@ -9,10 +9,16 @@ from gradtut.model_parallel.placement import balanced_boundaries
 from gradtut.model_parallel.tensor_parallel import _check_divisible
 
 
+def _busiest_share(count, share):
+    """Whole elements on the busiest of ``share`` devices holding ``count``: count / share,
+    rounded up (10 over 4 devices is 3)."""
+    return -(-count // share)
+
+
 def _bytes(variables, share=1):
     """Bytes of ``variables``, each split ``share`` ways: the busiest device's whole
     elements (rounded up)."""
-    return sum(-(-int(np.prod(v.shape)) // share) * np.dtype(v.dtype).itemsize
+    return sum(_busiest_share(int(np.prod(v.shape)), share) * np.dtype(v.dtype).itemsize
                for v in variables)
 
 
@@ -142,7 +148,7 @@ def model_memory_report(model, optimizer, batch_size, num_devices, strategy):
             output = act - inputs if i == 0 else act  # other layers follow the one before
             if split:  # a column split divides the last axis: the busiest device's share
                 *middle, width = layer.output.shape[1:]
-                output = int(np.prod(middle)) * -(-width // num_devices) * dtype_bytes
+                output = int(np.prod(middle)) * _busiest_share(width, num_devices) * dtype_bytes
             per_example += output
         entry["activations"] = per_example * batch_size
         entry["total"] = sum(entry[k] for k in
