@@ -176,7 +176,9 @@ def launch_local_workers(target, num_workers, timeout_s, kwargs=None, ports=None
 
     Raises:
       ValueError: ``num_workers`` not a positive int, fewer ``ports`` than workers, a target
-        that cannot be imported by a worker.
+        that is not a ``"module:function"`` string, a ``.py`` path or a function a worker can
+        import (one defined in ``__main__`` or inside a function). A module that does not
+        import fails in the worker: WorkerError.
       WorkerError: a worker exited with an error, or the timeout passed. The message names the
         worker and shows the tail of its stderr; all workers are stopped first, so nothing hangs.
 
@@ -351,7 +353,8 @@ class LocalCluster:
             tf.train.ClusterSpec(self.spec), rpc_layer="grpc")
 
     def kill(self, job, index):
-        """SIGKILL one task, as a crash would; returns the time it was sent (``time.monotonic``).
+        """SIGKILL one task, as a crash would; returns the time (``time.monotonic``) the task was
+        dead, just after the signal and the wait for the process to be reaped.
 
         Raises:
           ValueError: no such task.

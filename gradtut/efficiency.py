@@ -22,6 +22,7 @@ import tensorflow as tf
 from gradtut import data_parallel
 from gradtut.checks import check_int, check_keras_model, check_loss_fn, check_real, checked_batch
 from gradtut.data_parallel import regularization_gradients
+from gradtut.data_parallel.steps import _refuse_call_losses
 from gradtut.measure import compare_timings, peak_memory_bytes, time_callable
 from gradtut.models import make_batch_gradient, mlp
 from gradtut.per_example import per_example_gradients, per_example_losses
@@ -38,6 +39,7 @@ def _summed_gradient_fn(model, loss_fn):
         def summed_gradient(x, y):
             with tf.GradientTape() as tape:
                 total = tf.reduce_sum(per_example_losses(model, loss_fn, x, y, training=False))
+            _refuse_call_losses(model, "accumulated_gradients")
             return tape.gradient(total, model.trainable_variables, unconnected_gradients="zero")
         cache[id(loss_fn)] = (loss_fn, summed_gradient)
     return cache[id(loss_fn)][1]
@@ -49,8 +51,11 @@ def accumulated_gradients(model, loss_fn, x, y, micro_batch_size):
     Each micro-batch contributes the gradient of its *summed* per-example losses, and the total
     is divided once by the number of examples. A short last micro-batch is therefore weighted by
     its size, not as a full one (averaging micro-batch means would over-weight it). The model's
-    regularisation losses are added once. Only one micro-batch's activations are alive at a
-    time, which is the point: peak memory follows ``micro_batch_size``, not the batch.
+    weight regularisation losses are added once; losses its forward pass records (activity
+    regularisers, ``add_loss``) are refused, as Keras divides each by the micro-batch. Only one
+    micro-batch's activations are alive at a time, which is the point: the activations' memory
+    follows ``micro_batch_size``, not the batch (the gradients and their running sum, two
+    copies of the weights, do not shrink).
 
     Args:
       model: a Keras model (called with ``training=False``).
@@ -68,7 +73,7 @@ def accumulated_gradients(model, loss_fn, x, y, micro_batch_size):
     Raises:
       ValueError: ``loss_fn`` does not return ``[B]`` (build it with ``reduction=None``) or is
         a loss name; x or y is None, empty, or of different lengths; ``micro_batch_size`` not
-        an int from 1 to the batch size.
+        an int from 1 to the batch size; the model records losses in its forward pass.
       TypeError: ``model`` is not a Keras model, or ``loss_fn`` cannot be called.
 
     Example:
@@ -104,9 +109,9 @@ def make_accumulating_train_step(model, loss_fn, optimizer, accumulation_steps):
 
     Each call adds the micro-batch's summed-loss gradient to accumulators and counts its
     examples. On every ``accumulation_steps``-th call it applies the sum divided by the number
-    of examples seen (plus the regularisation gradient, once), then zeroes the accumulators and
-    the count. The update equals one optimizer step on the concatenated micro-batches, ragged
-    ones included.
+    of examples seen (plus the weight regularisation gradient, once), then zeroes the
+    accumulators and the count. The update equals one optimizer step on the concatenated
+    micro-batches, ragged ones included.
 
     It is :func:`gradtut.data_parallel.make_accumulating_train_step` under the current
     ``tf.distribute`` strategy (the default, one-device one outside any ``strategy.scope()``),
@@ -126,7 +131,8 @@ def make_accumulating_train_step(model, loss_fn, optimizer, accumulation_steps):
     Raises:
       ValueError: ``accumulation_steps`` is not a positive int, ``loss_fn`` is a loss name; at
         the first call, a ``loss_fn`` that does not return ``[B]`` (build it with
-        ``reduction=None``); at any call, x or y None, empty or of different lengths.
+        ``reduction=None``) or a model whose forward pass records losses (activity
+        regularisers, ``add_loss``); at any call, x or y None, empty or of different lengths.
       TypeError: ``model`` or ``optimizer`` is not one, or ``loss_fn`` cannot be called.
 
     Example:

@@ -304,7 +304,15 @@ def _check_training(model, loss_fn, l2_norm_clip, noise_multiplier, expected_bat
     # the engine's own checks: a reducing loss, BatchNormalization in training, grouped
     # convolutions and random layers where the one-pass methods would get them wrong
     per_example.check_model(model, loss_fn, training=True, method="ghost")
-    if model.losses:
+    _refuse_model_losses(model)
+
+
+def _refuse_model_losses(model):
+    """Refuse regularisation losses: those of the weights, activity regularisers (found on the
+    layers before any call) and losses a forward pass recorded (``add_loss``; call after one)."""
+    layers = model._flatten_layers(include_self=True)  # pylint: disable=protected-access
+    if model.losses or any(getattr(layer, "activity_regularizer", None) is not None
+                           for layer in layers):
         raise ValueError(
             "the model has regularisation losses (kernel_regularizer, activity_regularizer or "
             "add_loss); DP-SGD here clips and noises only the per-example data loss, so they "
@@ -350,6 +358,7 @@ def _dp_gradients_fn(model, loss_fn, l2_norm_clip, std, expected_batch_size, see
                 tf.shape(tf.nest.flatten(x)[0])[0] > 0,
                 lambda: clipped_sum(x, y, l2_norm_clip),
                 lambda: ([tf.zeros_like(v) for v in model.trainable_variables], *empty))
+        _refuse_model_losses(model)  # add_loss shows only now, after a forward pass
         data_sums = sums
         if canaries is not None:
             sums = canaries.add(sums, step)
@@ -992,7 +1001,8 @@ class CanaryAudit(keras.callbacks.Callback):
     loose, and a bound far below epsilon is normal.
 
     The canaries move the model (each adds up to ``l2_norm_clip / expected_batch_size`` per
-    step to its parameter): audit a run made for auditing, not the model you ship. One ``fit``
+    step to its parameter's gradient, so the parameter moves by the learning rate times that
+    with SGD): audit a run made for auditing, not the model you ship. One ``fit``
     is one audited run; the result is in ``audit.result`` (a named tuple
     ``(epsilon, canaries, guesses, correct, delta, confidence)``) after it.
 

@@ -50,7 +50,8 @@ class VectorizationReport:
     Attributes:
       vectorized: True when every op was converted to a batched op (no ``while_loop``).
       fallback_ops: op types pfor ran in a ``while_loop`` instead, in the order it said so.
-      messages: the log lines TensorFlow emitted while converting.
+      messages: the log lines TensorFlow emitted while converting that mention a
+        ``while_loop`` (the fallbacks); its other lines are dropped.
       result: what ``tf.vectorized_map(fn, elems)`` returned.
     """
 

@@ -39,6 +39,10 @@ def test_the_backup_runs_refuse_bad_input(tmp_path):
         fit_in_fresh_process(None)
     with pytest.raises(ValueError, match="crash batch must be an int >= 0"):
         fit_in_fresh_process(str(tmp_path), crash_at=(1, -1))
+    with pytest.raises(ValueError, match="crash_at epoch 3 is never reached in 3 epochs"):
+        fit_in_fresh_process(str(tmp_path), crash_at=(3, 0))
+    with pytest.raises(RuntimeError, match=r"without reaching crash_at=\(0, 99\)"):
+        fit_in_fresh_process(str(tmp_path / "short"), crash_at=(0, 99), epochs=1)
     with pytest.raises(ValueError, match="save_freq must be a positive int"):
         fit_with_backup(str(tmp_path), save_freq="batch")
     with pytest.raises(ValueError, match="epochs must be a positive int"):

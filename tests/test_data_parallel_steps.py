@@ -165,3 +165,66 @@ def test_single_device_step_refuses_bad_batches_and_arguments():
         single_device_step("model.keras", LOSS, optimizer, x, y)
     with pytest.raises(TypeError, match="optimizer must be a Keras optimizer object"):
         single_device_step(model, LOSS, "sgd", x, y)
+
+
+def activity_model():
+    """dp_model's shape with an activity regulariser (recorded in the forward pass) and a
+    kernel regulariser (computed from the weights)."""
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((5,)),
+        keras.layers.Dense(8, activation="tanh", activity_regularizer=keras.regularizers.L2(0.5),
+                           kernel_regularizer=keras.regularizers.L2(0.01)),
+        keras.layers.Dense(3)])
+
+
+def test_losses_recorded_in_the_forward_pass_count_on_one_replica():
+    """On one replica the activity loss is the whole batch's, so it is kept, and the step
+    equals single-device training with it (which differs from training without it)."""
+    strategy = strategy_with(1)
+    with strategy.scope():
+        model, optimizer = activity_model(), keras.optimizers.SGD(0.1)
+    reference = activity_model()
+    x, y = dp_data(16, seed=3)
+    distributed, plain = dp_batches(strategy, x, y, 16)
+    loss = make_train_step(strategy, model, LOSS, optimizer, 16)(next(iter(distributed)))
+    ref_loss = single_device_step(reference, LOSS, keras.optimizers.SGD(0.1), *plain[0])
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
+    assert_gradients_close(model.get_weights(), reference.get_weights(), **TOL)
+    without = dp_model(regularized=True)
+    without_loss = single_device_step(without, LOSS, keras.optimizers.SGD(0.1), *plain[0])
+    assert float(ref_loss) > float(without_loss) + 0.01  # the activity term is in the loss
+
+
+def test_losses_recorded_in_the_forward_pass_are_refused_where_they_would_be_wrong():
+    """Over replicas they came out 2-5% off (Keras divides by each replica's share, on layers
+    the replicas share), and accumulation would drop them: both refuse."""
+    from gradtut.efficiency import accumulated_gradients
+    from gradtut.efficiency import make_accumulating_train_step as one_device_accumulation
+    x, y = dp_data(16, seed=3)
+    strategy = strategy_with(2)
+    with strategy.scope():
+        model, optimizer = activity_model(), keras.optimizers.SGD(0.1)
+    distributed, _ = dp_batches(strategy, x, y, 16)
+    with pytest.raises(ValueError, match="activity_regularizer or add_loss.*2 replicas"):
+        make_train_step(strategy, model, LOSS, optimizer, 16)(next(iter(distributed)))
+    accumulate = make_accumulating_train_step(strategy, model, LOSS, optimizer, 16, 2)
+    with pytest.raises(ValueError, match="gradient accumulation"):
+        accumulate(next(iter(distributed)))
+    with pytest.raises(ValueError, match="accumulated_gradients"):
+        accumulated_gradients(activity_model(), LOSS, x, y, 8)
+    with pytest.raises(ValueError, match="gradient accumulation"):
+        one_device_accumulation(activity_model(), LOSS, keras.optimizers.SGD(0.1), 2)(x, y)
+
+
+def test_regularization_gradients_leave_out_the_losses_a_forward_pass_recorded():
+    """After a forward pass, only the kernel regulariser's gradient (2 * 0.01 * kernel, over
+    the replicas) is returned; the recorded activity loss belongs to that pass's batch."""
+    from gradtut.data_parallel import regularization_gradients
+    model = activity_model()
+    model(dp_data(4)[0])
+    assert len(model.losses) == 2  # the activity loss and the kernel's
+    grads = regularization_gradients(model, replicas=2)
+    np.testing.assert_allclose(grads[0], 2 * 0.01 * model.layers[0].kernel.numpy() / 2,
+                               rtol=1e-6)
+    assert grads[1:] == [None, None, None]

@@ -443,3 +443,29 @@ def test_dp_model_arguments_get_errors_that_name_the_fix():
     with pytest.raises(ValueError, match=r"DPModel.fit got y=None; DP-SGD needs inputs x and one "
                                          r"target per example y"):
         dp.fit(x, epochs=1, verbose=0)
+
+
+class _AddsALoss(keras.layers.Layer):
+    """A layer that records a loss in its forward pass (``add_loss``): invisible before a call."""
+
+    def call(self, x):
+        self.add_loss(tf.reduce_mean(tf.square(x)))
+        return x
+
+
+def test_dp_training_refuses_losses_it_would_leave_out_also_those_seen_only_in_a_call():
+    """An activity regulariser is found on the layer before any call; an ``add_loss`` only
+    after the first forward pass. Both were left out of DP-SGD silently before."""
+    x, y = np.ones((8, 5), "float32"), np.arange(8) % 3
+    def activity():
+        return keras.Sequential([keras.Input((5,)), keras.layers.Dense(
+            4, activity_regularizer=keras.regularizers.L2(0.5)), keras.layers.Dense(3)])
+    with pytest.raises(ValueError, match="regularisation losses"):
+        make_dp_train_step(activity(), LOSS, keras.optimizers.SGD(), 1.0, 1.0, 8)
+    with pytest.raises(ValueError, match="regularisation losses"):
+        DPModel(activity(), 1.0, 1.0, 8).compile(optimizer="sgd", loss=LOSS)
+    adds = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4), _AddsALoss(),
+                             keras.layers.Dense(3)])
+    step = make_dp_train_step(adds, LOSS, keras.optimizers.SGD(), 1.0, 1.0, 8)
+    with pytest.raises(ValueError, match="regularisation losses"):
+        step(x, y)

@@ -10,6 +10,7 @@ from gradtut.checks import (
 from gradtut.data_parallel.steps import (
     _SUM,
     _check_step_arguments,
+    _refuse_call_losses,
     _summed_over_replicas,
     regularization_gradients,
 )
@@ -49,6 +50,7 @@ def _accumulate_on_replica(model, loss_fn, sums, seen, x, y):
     with tf.GradientTape() as tape:
         losses = per_example_losses(model, loss_fn, x, y, training=True)
         total = tf.reduce_sum(losses)
+    _refuse_call_losses(model, "gradient accumulation")
     grads = tape.gradient(total, model.trainable_variables, unconnected_gradients="zero")
     for s, g in zip(sums, grads, strict=True):
         s.assign_add(tf.convert_to_tensor(g))
@@ -81,8 +83,8 @@ def make_accumulating_train_step(strategy, model, loss_fn, optimizer, global_bat
     gradient of its *summed* per-example losses to its own accumulators and counts its
     examples; on the k-th micro-batch it divides by the number of examples in all k global
     micro-batches and applies, and the optimizer's all-reduce sums the replicas. The update
-    equals one step on the concatenated k micro-batches, ragged ones included (regularisation
-    added once per update), and the accumulators are zeroed after it.
+    equals one step on the concatenated k micro-batches, ragged ones included (weight
+    regularisation added once per update), and the accumulators are zeroed after it.
     ``gradtut.efficiency.make_accumulating_train_step`` is this step under the default
     strategy, taking ``(x, y)``.
 
@@ -99,7 +101,9 @@ def make_accumulating_train_step(strategy, model, loss_fn, optimizer, global_bat
       outside a replica, each is summed over the replicas.
 
     Raises:
-      ValueError: ``accumulation_steps`` is not a positive int, and as :func:`make_train_step`.
+      ValueError: ``accumulation_steps`` is not a positive int; at the first call, a model
+        whose forward pass records losses (on any number of replicas); and as
+        :func:`make_train_step`.
       TypeError: as :func:`make_train_step`.
 
     Example (one device here; notebook 03 uses a ``MirroredStrategy`` over virtual CPUs):

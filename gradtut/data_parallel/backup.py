@@ -83,8 +83,9 @@ def fit_in_fresh_process(backup_dir, crash_at=None, timeout_s=300, **kwargs):
     ``{"killed": True, ...}``; otherwise it is :func:`fit_with_backup`'s result.
 
     Raises:
-      ValueError: bad arguments (checked here, before a process starts).
-      RuntimeError: the process failed, did not reach ``crash_at``, or timed out.
+      ValueError: bad arguments (checked here, before a process starts), among them a
+        ``crash_at`` epoch at or beyond ``epochs``.
+      RuntimeError: the process failed, finished without reaching ``crash_at``, or timed out.
     """
     from gradtut.cluster import run_until_marker_then_kill  # pylint: disable=import-outside-toplevel
     from gradtut.session import run_in_subprocess  # pylint: disable=import-outside-toplevel
@@ -94,8 +95,17 @@ def fit_in_fresh_process(backup_dir, crash_at=None, timeout_s=300, **kwargs):
     if crash_at is not None:
         epoch, batch = crash_at
         crash_at = [check_int(epoch, "crash epoch", 0), check_int(batch, "crash batch", 0)]
-        return run_until_marker_then_kill(__name__, "fit_with_backup",
-                                          {"backup_dir": backup_dir, "crash_at": crash_at,
-                                           **kwargs}, CRASH_MARKER, timeout_s=timeout_s)
+        epochs = kwargs.get("epochs", 3)
+        if isinstance(epochs, int) and crash_at[0] >= epochs:
+            raise ValueError(f"crash_at epoch {crash_at[0]} is never reached in {epochs} "
+                             "epochs (they count from 0): pass a smaller epoch")
+        run = run_until_marker_then_kill(__name__, "fit_with_backup",
+                                         {"backup_dir": backup_dir, "crash_at": crash_at,
+                                          **kwargs}, CRASH_MARKER, timeout_s=timeout_s)
+        if not run["killed"]:
+            raise RuntimeError(f"the run finished without reaching crash_at={tuple(crash_at)} "
+                               "(its epoch has fewer batches), so nothing was killed: pass a "
+                               "smaller batch index")
+        return run
     return run_in_subprocess(__name__, "fit_with_backup",
                              {"backup_dir": backup_dir, **kwargs}, timeout_s=timeout_s)

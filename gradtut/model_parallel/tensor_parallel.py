@@ -97,9 +97,9 @@ class RowParallelDense(keras.layers.Layer):
 
     Device i holds ``kernel[i*r:(i+1)*r, :]`` and multiplies it with its slice of the input
     features, which is exactly what a :class:`ColumnParallelDense` before it left on that
-    device. The partial products are then summed (Megatron-LM's all-reduce *g*; on one host it
-    is a sum on the first device, on GPUs an NCCL all-reduce so every device gets the result)
-    and the bias is added once.
+    device. The partial products are then summed on the first device, where the bias is added
+    once and the result stays. (Megatron-LM's *g* is an all-reduce instead, NCCL on GPUs, which
+    leaves the sum on every device; this layer does not do that.)
 
     Args:
       units: output features.
