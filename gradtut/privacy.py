@@ -238,13 +238,20 @@ def poisson_batches(x, y, sample_rate, seed):
 
     Use a new seed for every pass: the same seed gives the same batches again, and repeated
     samples are not the independent ones the accountant counts (``fit(epochs=E)`` over one
-    generator with a fixed seed does exactly that; chain E passes with seeds ``seed + e``
-    into one epoch instead, as notebook 01 does).
+    generator with a fixed seed does exactly that; chain E passes with seeds
+    ``seed * 1000 + e`` into one epoch instead, as notebook 01 does, so that runs with
+    different seeds never share a pass).
+
+    The sampling must also be secret: the amplification that :func:`epsilon` counts on holds
+    only if nobody can tell which batches an example joined. A fixed seed is for repeatable
+    experiments; for a model you publish, draw the batches with ``seed=None``, as well as
+    the noise (``DPModel(seed=None)``).
 
     Args:
       x, y: arrays with the same first dimension N.
       sample_rate: q in (0, 1].
-      seed: int, for a repeatable sequence of batches; None draws fresh ones.
+      seed: int, for a repeatable (and so public) sequence of batches; None draws fresh,
+        secret ones, which a model you publish needs.
 
     Returns:
       a generator of ``(x_batch, y_batch)``. The arguments are checked when it is made.
@@ -482,7 +489,8 @@ class DPModel(keras.Model):
     and divides by ``expected_batch_size``, as :func:`make_dp_train_step`; under
     ``MirroredStrategy.scope()`` the noise is still added once. Feed it Poisson batches
     (:func:`poisson_batches`, e.g. through ``tf.data.Dataset.from_generator``, a new seed per
-    pass) for the guarantee that :func:`epsilon` computes. ``seed`` as in
+    pass; ``seed=None`` for a model you publish, since the guarantee needs the sampling kept
+    secret) for the guarantee that :func:`epsilon` computes. ``seed`` as in
     :func:`make_dp_train_step`: None for models you publish. The loss and metrics that
     ``fit`` reports are computed on the private batches and are not covered by epsilon.
     ``sample_weight``, ``class_weight`` and regularisation losses are refused.

@@ -1,5 +1,5 @@
 """Rules for embeddings: ``Embedding``, ``ReversibleEmbedding`` (input and output embedding
-sharing one table) and KerasHub's ``PositionEmbedding`` (notebook 01, sections 6 and 10)."""
+sharing one table) and KerasHub's ``PositionEmbedding`` (notebook 01, section 6)."""
 import keras
 import tensorflow as tf
 

@@ -1,5 +1,5 @@
 """The layer-local path: per-example gradients of one layer without a rule, from its own recorded
-inputs and output gradients (notebook 01, section 10).
+inputs and output gradients (notebook 01, section 6).
 
 For a layer without a rule, the one recorded pass keeps the arguments of each call and the
 gradient ``g`` of the loss with respect to each of its outputs. Example ``b``'s gradient of the
