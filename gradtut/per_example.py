@@ -547,8 +547,10 @@ def per_example_gradient_norms(model, loss_fn, x, y, method="ghost", *, training
 def make_clipped_sum(model, loss_fn, training=False, with_outputs=False):
     """``f(x, y, clip) -> sum_b g_b * min(1, clip / ||g_b||)``: the sum of per-example gradients
     clipped to norm ``clip``, one tensor per trainable variable (in its dtype), for use inside a
-    ``tf.function``. Built from ghost norms and one reweighted sum per layer, so layers with a
-    ghost rule never materialise per-example gradients. The others (and fallback variables)
+    ``tf.function``. Built from ghost norms and one reweighted sum per layer, so a layer whose
+    norm is ghost in :func:`per_example_plan` never materialises its per-example gradients.
+    The others (rules without a ghost form, or whose ghost form would cost more, such as a
+    Dense layer on long sequences, and fallback variables)
     materialise theirs once, for their norms, and the weighted sum reuses them: they are held
     together until every norm is known, ``B x`` their parameter count in all
     (:func:`per_example_plan` shows which layers these are).
@@ -607,7 +609,7 @@ def clipped_gradient(model, loss_fn, x, y, l2_norm_clip, noise_multiplier=0.0, s
     where ``g_b`` is example b's gradient over all trainable variables and ``C = l2_norm_clip``.
     Computed from ghost norms and one reweighted sum per layer (for Dense: a matmul of the
     recorded layer inputs with the clip-weighted output gradients), so per-example gradients
-    of layers with a ghost rule are never materialised.
+    of layers whose norm is ghost in :func:`per_example_plan` are never materialised.
 
     Args:
       model, loss_fn, x, y, training: as in :func:`per_example_gradients`.

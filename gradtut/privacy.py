@@ -9,7 +9,9 @@ to the sum, once, and divides by the *expected* batch size. :func:`epsilon` turn
 Google's ``dp_accounting`` library (the accountant TensorFlow Privacy and jax_privacy use).
 
 Clipping uses :func:`gradtut.per_example.make_clipped_sum`: ghost norms and one reweighted sum
-per layer, so layers with a rule never materialise per-example gradients.
+per layer, so a layer whose norm is ghost (:func:`gradtut.per_example.per_example_plan`'s
+norm column) never materialises its per-example gradients; the others (normalisations, LoRA
+adapters, Dense layers on long sequences, layer-local fallbacks) materialise theirs once.
 
 Example:
   >>> sigma = noise_multiplier_for_epsilon(3.0, sample_rate=64 / 1500, steps=500, delta=1e-5)

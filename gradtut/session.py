@@ -145,8 +145,9 @@ def setup(seed=0, virtual_cpus=None, bfc_allocator=True, deterministic=True,
         default.
       deterministic: call ``tf.config.experimental.enable_op_determinism()``.
       intra_op_threads: None for TensorFlow's default (every core works on each op), or N >= 1
-        threads per op. Notebook 04 uses 1, so that two pipeline stages on two virtual CPUs
-        each get one core, the way two real devices would each have their own.
+        threads per op. Notebook 04 uses 1: each op then uses one core, so two pipeline
+        stages' ops can run at once, roughly as on two real devices (the stages still share
+        the two cores: a stage's independent ops can run side by side).
 
     Returns:
       dict with ``"tensorflow"``, ``"keras"``, ``"devices"`` (logical device names) and

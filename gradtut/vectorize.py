@@ -21,10 +21,10 @@ first two examples (example 0 alone must equal example 0 next to example 1, and 
 example must leave the other's output unchanged) and refused with a ``ValueError``, unless
 ``batch_size=1``, which computes every example alone.
 
-The chunked helpers (``input_gradients``, ``batch_jacobian``, ``integrated_gradients``,
-``completeness_gap``) return NumPy arrays, gathered on the host chunk by chunk;
-``vectorization_report(...).result`` and the function ``make_batched_input_gradient`` builds
-return tensors.
+The chunked helpers (``input_gradients``, ``batch_jacobian``, ``integrated_gradients``)
+return NumPy arrays, gathered on the host chunk by chunk; ``completeness_gap`` returns one too,
+from two whole-batch calls of the model (not chunked). ``vectorization_report(...).result``
+and the function ``make_batched_input_gradient`` builds return tensors.
 """
 import inspect
 import logging

@@ -87,8 +87,9 @@ def model_memory_report(model, optimizer, batch_size, num_devices, strategy):
       columns, the 2nd, 4th, ... by rows (a layer without a kernel keeps the split of the one
       before). Every weight is divided by the number of devices, and a column layer's output
       along its last axis, in whole elements: where they do not divide, the busiest device
-      holds the larger share (the replicated row biases are left out: small). A row layer's
-      output, after its all-reduce, is whole on every device, and
+      holds the larger share (Megatron-LM replicates the row biases; that excess is left out:
+      small). A row layer's output, after Megatron-LM's all-reduce, is whole on every device
+      (gradtut's RowParallelDense sums onto the first device only), and
       so is the model's input: those activations are not divided.
 
     Args:

@@ -18,7 +18,9 @@ class ColumnParallelDense(keras.layers.Layer):
 
     Device i holds ``kernel[:, i*u:(i+1)*u]`` and the matching bias slice, where
     ``u = units / len(devices)``, and computes its slice of the output from the whole input.
-    No communication is needed in the forward pass; in the backward pass the input gradient is
+    The forward pass needs no communication once every device has the input (in Megatron-LM
+    the all-reduce before it leaves it there; here each device reads it from where it lives,
+    after a :class:`RowParallelDense` the first device); in the backward pass the input gradient is
     the sum of every device's contribution (the all-reduce Megatron-LM calls *f*; here
     TensorFlow's autodiff adds them).
 
