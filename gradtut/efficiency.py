@@ -413,6 +413,8 @@ def hessian(loss_fn, variables):
     """The explicit Hessian of a scalar loss over all ``variables``, flattened and
     concatenated: a ``[P, P]`` tensor for P parameters. The slow reference for :func:`hvp`;
     only for small models (it costs P Hessian-vector products, about 2P gradients, and P^2 floats).
+    It takes the same tape-over-tape route as ``"reverse_over_reverse"``, so notebook 05 also
+    checks it against central differences of a float64 gradient, which use no second order.
 
     Raises:
       ValueError: no variables, or a loss that is not a scalar.

@@ -19,9 +19,11 @@ Methods of :func:`per_example_gradients`:
   vectorised, or looped over examples where vectorising it is unsafe). The whole model is
   never vectorised. :func:`per_example_plan` shows which layer takes which path.
 
-The first four need nothing but this module. The one-pass methods (``"outer"``, ghost norms,
-:func:`clipped_gradient`) are valid because examples do not interact in the forward pass;
-models where they do (BatchNormalization in training mode) are refused. They also assume that
+The first four need no layer rules (they still use :mod:`gradtut.checks` and the oneDNN check
+and unreached-variable warning of :mod:`gradtut.layer_rules`). The one-pass methods
+(``"outer"``, ghost norms, :func:`clipped_gradient`) are valid because examples do not
+interact in the forward pass; models where they do (BatchNormalization in training mode) are
+refused. They also assume that
 a covered layer's variables are used only inside that layer's own calls (a layer called
 several times is fine, and a variable that two layers own, such as a tied table assigned to a
 second layer, gets the sum of both). A variable read outside every recorded call gets its
