@@ -54,15 +54,17 @@ def accumulated_gradients(model, loss_fn, x, y, micro_batch_size):
     weight regularisation losses are added once; losses its forward pass records (activity
     regularisers, ``add_loss``) are refused, as Keras divides each by the micro-batch. Only one
     micro-batch's activations are alive at a time, which is the point: the activations' memory
-    follows ``micro_batch_size``, not the batch (the gradients and their running sum, two
-    copies of the weights, do not shrink).
+    follows ``micro_batch_size``, not the batch (the gradients and their running sum do not
+    shrink: two copies of the weights, three while a micro-batch's gradients are computed next
+    to the last one's).
 
     Args:
       model: a Keras model (called with ``training=False``).
       loss_fn: ``loss_fn(y_true, y_pred) -> [B]`` per-example losses (Keras losses with
         ``reduction=None``). A loss that reduces over the batch (the Keras default mean, or a
-        sum) is refused: summing micro-batch means or sums would make the result depend on
-        the micro-batch size.
+        sum) is refused: a mean arrives already divided by its micro-batch's size, so summing
+        means would depend on the micro-batch size, and the function needs the ``[B]``
+        losses to sum them and divide once itself.
       x, y: the whole batch, ``[batch, ...]`` (or nests of such tensors).
       micro_batch_size: examples per micro-batch, from 1 to the batch size.
 
@@ -459,8 +461,8 @@ def compare_compilation(fn, *args, repeats=7, rtol=1e-2, atol=1e-6):
 
     Args:
       fn: a function of tensors (it must be traceable by ``tf.function``).
-      repeats: timed calls of each (a positive int; after two warm-up calls that trace and
-        compile).
+      repeats: timed calls of each (a positive int; after one checked call of each, which
+        traces and compiles, and two untimed warm-up calls).
       rtol, atol: tolerance of the result check (real numbers >= 0): every output of a compiled
         version must be within ``rtol`` times the largest magnitude among all eager outputs,
         plus ``atol``. Fused kernels round differently, and backprop through many layers

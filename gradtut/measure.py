@@ -1,9 +1,11 @@
-"""Measuring: time and peak memory, always as ratios to a reference measured in the same run.
+"""Measuring: time and peak memory, for ratios to a reference measured in the same run.
 
 Introduced in notebook 01; notebooks 02-05 and ``python -m gradtut bench`` use it.
-Wall-clock numbers on a shared 2-core machine drift from minute to minute, so every helper
-here measures the reference alongside the methods (interleaved, round by round) and reports
-medians and ratios rather than single timings.
+Wall-clock numbers on a shared 2-core machine drift from minute to minute, so
+:func:`compare_timings` times the callables interleaved, round by round, and reports medians,
+with ratios when a reference is named. :func:`time_callable` times one callable and
+:func:`peak_memory_bytes` measures one call's peak in bytes; set those beside a reference
+measured the same way yourself.
 """
 import statistics
 import time

@@ -431,9 +431,10 @@ def make_dp_train_step(model, loss_fn, optimizer, l2_norm_clip, noise_multiplier
 
     Raises:
       ValueError: bad arguments (``l2_norm_clip`` not a positive number, ``expected_batch_size``
-        not a positive int, a bad ``seed``, a loss given by name); BatchNormalization in the
-        model; a reducing loss; and as :func:`gradtut.per_example.clipped_gradient` for layers
-        the engine refuses. ``step(x, y)`` refuses ``x`` or ``y`` None.
+        not a positive int, a bad ``seed``, a loss given by name); a trainable BatchNormalization
+        layer (it normalises with batch statistics in training); a reducing loss; and as
+        :func:`gradtut.per_example.clipped_gradient` for layers the engine refuses.
+        ``step(x, y)`` refuses ``x`` or ``y`` None.
       TypeError: ``model`` is not a Keras model, or ``optimizer`` is not a Keras optimizer.
 
     Example:

@@ -122,7 +122,8 @@ def setup(seed=0, virtual_cpus=None, bfc_allocator=True, deterministic=True,
     """Prepare TensorFlow for a notebook: quiet logs, seeds, determinism, allocator, devices.
 
     Call it once, first, in a notebook's set-up cell; calling it again with the same arguments
-    does nothing (it re-seeds, so a re-run cell gives the same numbers).
+    changes nothing but the seeds, which it sets again (so a re-run cell gives the same
+    numbers).
 
     Args:
       seed: int seed for Python's ``random``, NumPy and TensorFlow
@@ -155,7 +156,9 @@ def setup(seed=0, virtual_cpus=None, bfc_allocator=True, deterministic=True,
 
     Raises:
       RestartKernelError: TensorFlow already started in this process with a different device
-        count or allocator; the message says to restart the kernel and run this cell first.
+        count, or without the BFC allocator while its allocator keeps no statistics (oneDNN
+        off; with oneDNN on, the allocator TensorFlow started with keeps statistics and setup
+        carries on with it); the message says to restart the kernel and run this cell first.
       ValueError: ``virtual_cpus`` or ``intra_op_threads`` is not a positive integer.
 
     Example:

@@ -42,6 +42,10 @@ def test_relative_tolerance_scales_with_the_value():
     ([np.ones(2)], [np.ones(3)], r"shape \(2,\) != expected \(3,\)"),
     ([None], [np.ones(3)], "is None"),
     ([np.array([np.nan])], [np.array([1.0])], "1 of 1 values differ"),
+    # an expected inf made its own tolerance infinite: 1.0 and -inf passed against it
+    ([np.array([1.0, 2.0])], [np.array([np.inf, 2.0])], "1 of 2 values differ.*error inf"),
+    ([np.array([-np.inf])], [np.array([np.inf])], "1 of 1 values differ"),
+    ([np.array([np.inf])], [np.array([np.inf])], "1 of 1 values differ"),
 ])
 def test_structural_mismatches_fail_clearly(actual, expected, message):
     with pytest.raises(AssertionError, match=message):
