@@ -12,7 +12,7 @@
   TensorFlow's working memory stays at one chunk however many examples there are.
 
 Why one backward pass gives every example's input gradient: example b's input ``x_b`` only
-reaches output ``f(x)_b`` when examples do not interact, so ``d/dx_b sum_c f(x)_c`` is
+reaches output ``f(x)_b`` when examples do not interact, so ``d/dx_b sum_b' f(x)_b'`` is
 ``d f(x)_b / d x_b``. That fails for any op that mixes the batch: BatchNormalization in
 *training* mode (batch statistics; these functions call the model with ``training=False``, so
 it uses its moving statistics and is fine), or a custom layer that normalises, sorts, sums or
@@ -618,7 +618,8 @@ def threading_timings(intra_op=None, inter_op=None, batch=256, features=1024, re
     """Set TensorFlow's thread pools, then time three workloads in interleaved rounds.
 
     Setting a pool size must happen before TensorFlow's runtime starts in this process (use
-    ``run_in_subprocess``); None keeps TensorFlow's default (0: one thread per core).
+    ``run_in_subprocess``); None keeps TensorFlow's default (0: TensorFlow picks, one thread per
+    logical CPU).
 
     Returns:
       dict with the settings and the median ms of: ``"matmul_ms"``, one 2048 x 2048 matmul (a
