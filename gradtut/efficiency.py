@@ -177,9 +177,10 @@ def peak_memory(fn, *args, fresh_process=None, timeout_s=600):
 
     Allocator statistics need the BFC allocator, which must be chosen before TensorFlow starts
     (``TF_CPU_ALLOCATOR_USE_BFC=true``; ``gradtut.setup()`` does it), or the plain allocator
-    with oneDNN on (notebook 05, section 9). In a process without statistics,
-    or with ``fresh_process=True``, the call runs in a new Python process that has it, after one
-    warm-up call there; the child is killed if it outlives ``timeout_s``.
+    with oneDNN on (notebook 05, section 9; its peak is the sum of two pools' peaks, blocks
+    under 256 kB and the rest, so an upper bound by at most the small pool's peak). In a process
+    without statistics, or with ``fresh_process=True``, the call runs in a new Python process
+    that has it, after one warm-up call there; the child is killed if it outlives ``timeout_s``.
 
     Args:
       fn: the callable. For a fresh process it must be importable (a module-level function,
@@ -236,8 +237,9 @@ def checkpointed(layers, num_segments):
     ``num_segments`` consecutive, near-equal segments.
 
     The forward pass keeps only each segment's input; the backward pass recomputes a segment's
-    activations when it needs them. With n layers, about sqrt(n) segments keep the fewest
-    activations (sqrt(n) boundaries plus one segment's worth) for one extra forward pass. The
+    activations when it needs them. With n equal layers, about sqrt(n) segments keep the fewest
+    activations in theory (sqrt(n) boundaries plus one segment's worth), for one extra forward
+    pass; real layers differ in size, so measure (notebook 05, section 6, does). The
     saving shows inside a ``tf.function``; eager mode keeps what it keeps.
 
     Args:
@@ -550,8 +552,9 @@ def large_intermediate_ms(size=2048, repeats=9):
 def allocator_workloads(size=2048, batch_size=256, repeats=7):
     """Both allocator workloads of notebook 05, section 9, timed in this process: the compiled
     step of :func:`large_intermediate_ms`, and per-example gradients materialised with
-    ``method="outer"`` on the 784-256-10 MLP of :func:`gradtut.models.mlp` (a fresh
-    ``[batch_size, 203,530]`` float32 result every call), as a ratio to that MLP's batch
+    ``method="outer"`` on the 784-256-10 MLP of :func:`gradtut.models.mlp` (fresh
+    per-example gradients every call, ``batch_size x 203,530`` float32 numbers in all, almost
+    all of them one ``[batch_size, 784, 256]`` kernel gradient), as a ratio to that MLP's batch
     gradient measured in the same rounds. Meant for ``run_in_subprocess`` with
     ``TF_CPU_ALLOCATOR_USE_BFC`` and ``TF_ENABLE_ONEDNN_OPTS`` set either way.
 

@@ -125,7 +125,8 @@ def peak_memory_bytes(fn, *args, device="CPU:0"):
 
     Needs allocator statistics: on a CPU, the BFC allocator, which ``gradtut.setup()``
     switches on (``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow starts), or the plain
-    allocator with oneDNN on (notebook 05, section 9).
+    allocator with oneDNN on (notebook 05, section 9; its peak is the sum of two pools' peaks,
+    blocks under 256 kB and the rest, so an upper bound by at most the small pool's peak).
 
     Raises:
       TypeError: ``fn`` is not callable.

@@ -516,8 +516,9 @@ def per_example_gradient_norms(model, loss_fn, x, y, method="ghost", *, training
       model, loss_fn, x, y, training: as in :func:`per_example_gradients`.
       method: ``"ghost"`` (default) or any method of :func:`per_example_gradients`. ``"ghost"``
         runs one forward and one backward pass. Layers whose plan says ghost (Embedding
-        always; Dense, EinsumDense and convolutions where the Gram form saves memory,
-        ``d_in d_out > T (d_in + d_out)``) never materialise their per-example gradients;
+        always; Dense, EinsumDense and convolutions whose gradient is larger than their record
+        of the example, ``d_in d_out > T (d_in + d_out)``, which implies that the Gram form
+        also saves memory) never materialise their per-example gradients;
         other covered layers, and layers without a rule (the layer-local path), materialise
         theirs.
         :func:`per_example_plan` shows which layer does what.

@@ -195,7 +195,8 @@ def replica_mean_loss_mistake(strategy, model, loss_fn, x, y):
     """The loss a replica function with ``tf.reduce_mean`` reports, over the correct global mean.
 
     Returns ``(wrong, right)``: with a plain ``tf.reduce_mean`` per replica, summing the
-    replicas (as the optimizer does with gradients) gives ``replicas x`` the global mean loss.
+    replicas (as the optimizer does with gradients) gives ``replicas x`` the global mean loss
+    (exactly so for equal shards).
     Used by notebook 03 and the tests to show the classic mistake's factor.
 
     Args:
