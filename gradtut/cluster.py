@@ -183,7 +183,7 @@ def launch_local_workers(target, num_workers, timeout_s, kwargs=None, ports=None
         worker and shows the tail of its stderr; all workers are stopped first, so nothing hangs.
 
     Example:
-      >>> # not run as a doctest: it starts two TensorFlow processes (about 20 s)
+      >>> # not run as a doctest: it starts two TensorFlow processes (several seconds)
       >>> results = launch_local_workers("gradtut.data_parallel:train_synthetic", 2, 120,
       ...                                kwargs={"steps": 4})  # doctest: +SKIP
     """

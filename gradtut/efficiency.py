@@ -26,7 +26,7 @@ from gradtut.data_parallel.steps import _refuse_call_losses
 from gradtut.measure import compare_timings, peak_memory_bytes, time_callable
 from gradtut.models import make_batch_gradient, mlp
 from gradtut.per_example import per_example_gradients, per_example_losses
-from gradtut.session import allocator_has_stats, run_in_subprocess
+from gradtut.session import allocator_has_stats, allocator_statistics, run_in_subprocess
 
 # --- gradient accumulation -----------------------------------------------------------------
 
@@ -175,12 +175,12 @@ def peak_memory(fn, *args, fresh_process=None, timeout_s=600):
     """Peak bytes the TensorFlow CPU allocator held above its starting level during one
     ``fn(*args)`` call.
 
-    Allocator statistics need the BFC allocator, which must be chosen before TensorFlow starts
-    (``TF_CPU_ALLOCATOR_USE_BFC=true``; ``gradtut.setup()`` does it), or the plain allocator
-    with oneDNN on (notebook 05, section 9; its peak is the sum of two pools' peaks, blocks
-    under 256 kB and the rest, so an upper bound by at most the small pool's peak). In a process
-    without statistics, or with ``fresh_process=True``, the call runs in a new Python process
-    that has it, after one warm-up call there; the child is killed if it outlives ``timeout_s``.
+    Statistics of every block need the BFC allocator, which must be chosen before TensorFlow
+    starts (``TF_CPU_ALLOCATOR_USE_BFC=true``; ``gradtut.setup()`` does it); TensorFlow's
+    default CPU allocator counts none (oneDNN off) or only blocks of 256 kB and more (oneDNN
+    on; notebook 05, section 9). In a process without them, or with ``fresh_process=True``,
+    the call runs in a new Python process that has them, after one warm-up call there; the
+    child is killed if it outlives ``timeout_s``.
 
     Args:
       fn: the callable. For a fresh process it must be importable (a module-level function,
@@ -194,7 +194,7 @@ def peak_memory(fn, *args, fresh_process=None, timeout_s=600):
     Raises:
       ValueError: ``fn`` cannot be sent to a fresh process (with the fix).
       RuntimeError: the fresh process failed or timed out (with its stderr), or
-        ``fresh_process=False`` in a process without allocator statistics.
+        ``fresh_process=False`` in a process whose allocator does not count every block.
 
     Example:
       >>> peak_memory(tf.zeros, [1024, 1024])  # doctest: +SKIP
@@ -205,8 +205,9 @@ def peak_memory(fn, *args, fresh_process=None, timeout_s=600):
         fresh_process = not has_stats
     if not fresh_process:
         if not has_stats:
-            raise RuntimeError("this process's CPU allocator keeps no statistics: start it with "
-                               "gradtut.setup() (BFC allocator), or pass fresh_process=True")
+            raise RuntimeError("this process's CPU allocator does not count every block: start "
+                               "it with gradtut.setup() (BFC allocator), or pass "
+                               "fresh_process=True")
         return peak_memory_bytes(fn, *args)
     if getattr(fn, "__module__", None) == "__main__":
         raise ValueError(f"{fn.__name__!r} is defined in __main__ (a notebook or script), which a "
@@ -527,7 +528,8 @@ def compare_compilation(fn, *args, repeats=7, rtol=1e-2, atol=1e-6):
 
 def large_intermediate_ms(size=2048, repeats=9):
     """Median ms of a compiled step that creates ``size x size`` float32 intermediates, and
-    whether this process's allocator keeps statistics. Meant to run in a fresh process (via
+    which blocks this process's allocator counts in its statistics
+    (:func:`gradtut.session.allocator_statistics`). Meant to run in a fresh process (via
     ``gradtut.session.run_in_subprocess``) with ``TF_CPU_ALLOCATOR_USE_BFC`` set either way,
     since the allocator is chosen when TensorFlow starts.
 
@@ -546,7 +548,7 @@ def large_intermediate_ms(size=2048, repeats=9):
         return tf.reduce_sum(tf.nn.relu(tf.matmul(x, x)) * 2.0 + x)
 
     timing = time_callable(step, x, repeats=repeats)
-    return {"median_ms": 1e3 * timing.median_s, "allocator_stats": allocator_has_stats()}
+    return {"median_ms": 1e3 * timing.median_s, "allocator_stats": allocator_statistics()}
 
 
 def allocator_workloads(size=2048, batch_size=256, repeats=7):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import tensorflow as tf
 
 from gradtut.checks import check_int
+from gradtut.session import allocator_statistics
 
 
 @dataclass
@@ -123,14 +124,14 @@ def compare_timings(callables, reference=None, warmup=1, repeats=7):
 def peak_memory_bytes(fn, *args, device="CPU:0"):
     """Peak bytes the TensorFlow allocator held above its starting level during ``fn(*args)``.
 
-    Needs allocator statistics: on a CPU, the BFC allocator, which ``gradtut.setup()``
-    switches on (``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow starts), or the plain
-    allocator with oneDNN on (notebook 05, section 9; its peak is the sum of two pools' peaks,
-    blocks under 256 kB and the rest, so an upper bound by at most the small pool's peak).
+    Needs allocator statistics of every block: on a CPU, the BFC allocator, which
+    ``gradtut.setup()`` switches on (``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow
+    starts). TensorFlow's default CPU allocator counts none (oneDNN off) or only blocks of
+    256 kB and more (oneDNN on), which would give a peak too low; both are refused.
 
     Raises:
       TypeError: ``fn`` is not callable.
-      RuntimeError: the allocator of ``device`` keeps no statistics, with the fix.
+      RuntimeError: the allocator of ``device`` does not count every block, with the fix.
 
     Example:
       >>> peak_memory_bytes(lambda: tf.zeros([1024, 1024])) >= 4 * 1024 * 1024  # 4 MB of floats
@@ -139,16 +140,17 @@ def peak_memory_bytes(fn, *args, device="CPU:0"):
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}: pass the function and "
                         "its arguments, peak_memory_bytes(f, x)")
-    try:
-        tf.config.experimental.reset_memory_stats(device)
-        start = tf.config.experimental.get_memory_info(device)["current"]
-    except (ValueError, RuntimeError) as err:
+    statistics = allocator_statistics(device)
+    if statistics != "all blocks":
         raise RuntimeError(
-            f"the allocator of {device} keeps no statistics ({err}). On a CPU, start TensorFlow "
-            "with TF_CPU_ALLOCATOR_USE_BFC=true: restart the kernel and call gradtut.setup() "
-            "first (it sets this), or measure in a fresh process with "
+            f"the allocator of {device} does not count every block (its statistics: "
+            f"{statistics}; see gradtut.session.allocator_statistics). On a CPU, start "
+            "TensorFlow with TF_CPU_ALLOCATOR_USE_BFC=true: restart the kernel and call "
+            "gradtut.setup() first (it sets this), or measure in a fresh process with "
             "gradtut.session.run_in_subprocess(...)."
-        ) from None
+        )
+    tf.config.experimental.reset_memory_stats(device)
+    start = tf.config.experimental.get_memory_info(device)["current"]
     _wait_for(fn(*args))
     return tf.config.experimental.get_memory_info(device)["peak"] - start
 

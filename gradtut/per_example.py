@@ -167,7 +167,9 @@ def check_model(model, loss_fn, training, method):
     if isinstance(loss_fn, keras.losses.Loss) and reduction not in (None, "none"):
         raise ValueError(
             f"loss_fn {type(loss_fn).__name__} reduces over the batch (reduction={reduction!r}), "
-            "so per-example gradients would be 1/B of the right value or undefined. Pass "
+            "so it returns one number for the batch, not the one loss per example that "
+            "per-example gradients need (with a mean, one-pass methods would get 1/B of each "
+            "gradient). Pass "
             f"{type(loss_fn).__name__}(reduction=None), which returns one loss per example."
         )
     grouped = _grouped_convolutions(model)
@@ -187,7 +189,10 @@ def check_model(model, loss_fn, training, method):
                 raise ValueError(
                     f"layer {layer.name!r} is BatchNormalization in training mode: it normalises "
                     "with statistics of the whole batch, so one example's loss depends on every "
-                    "other example and a per-example gradient is undefined. Use training=False "
+                    "other example: each example's gradient depends on the whole batch, so "
+                    "clipping it no longer bounds one example's influence, and the one-pass "
+                    "methods, which assume examples do not interact, would get it wrong. Use "
+                    "training=False "
                     "(moving statistics), freeze the layer (trainable=False), or use "
                     "LayerNormalization / GroupNormalization instead."
                 )

@@ -135,8 +135,9 @@ def setup(seed=0, virtual_cpus=None, bfc_allocator=True, deterministic=True,
         device per core can work at once (notebook 04).
       bfc_allocator: use TensorFlow's BFC allocator on the CPU (``TF_CPU_ALLOCATOR_USE_BFC=true``).
         It reuses freed memory instead of asking the OS for fresh pages, and it makes
-        ``tf.config.experimental.get_memory_info("CPU:0")`` (peak memory) work (with oneDNN
-        on, the plain allocator keeps statistics too; notebook 05, section 9). x86-64 Linux
+        ``tf.config.experimental.get_memory_info("CPU:0")`` (peak memory) count every block
+        (with oneDNN on, the default allocator counts only blocks of 256 kB and more; without
+        oneDNN it counts none; notebook 05, section 9). x86-64 Linux
         builds with oneDNN on (TensorFlow's default on Linux on CPUs with AVX512_VNNI,
         AVX512_BF16, AVX_VNNI or AMX, tensorflow/core/util/port.cc) already hand large blocks
         to a BFC allocator (mkl_cpu_allocator.h); where oneDNN is off
@@ -156,9 +157,9 @@ def setup(seed=0, virtual_cpus=None, bfc_allocator=True, deterministic=True,
 
     Raises:
       RestartKernelError: TensorFlow already started in this process with a different device
-        count, or without the BFC allocator while its allocator keeps no statistics (oneDNN
-        off; with oneDNN on, the allocator TensorFlow started with keeps statistics and setup
-        carries on with it); the message says to restart the kernel and run this cell first.
+        count, or (with ``bfc_allocator=True``) with its default CPU allocator, whose
+        statistics count no blocks (oneDNN off) or only blocks of 256 kB and more (oneDNN on);
+        the message says to restart the kernel and run this cell first.
       ValueError: ``virtual_cpus`` or ``intra_op_threads`` is not a positive integer.
 
     Example:
@@ -202,12 +203,14 @@ def setup(seed=0, virtual_cpus=None, bfc_allocator=True, deterministic=True,
             _set_intra_op_threads(tf, intra_op_threads, started_before)
         devices = [d.name for d in tf.config.list_logical_devices()]  # starts the runtime
 
-    has_stats = allocator_has_stats()
+    statistics = allocator_statistics()
+    has_stats = statistics == "all blocks"
     if bfc_allocator and not has_stats:
+        counted = "no blocks" if statistics == "none" else "only blocks of 256 kB and more"
         raise RestartKernelError(
-            "TensorFlow already started with its default CPU allocator, so the BFC allocator "
-            f"({_BFC_ENV}=true) cannot be switched on now. Restart the kernel and run "
-            "gradtut.setup(...) first, or pass bfc_allocator=False."
+            "TensorFlow already started with its default CPU allocator, whose statistics count "
+            f"{counted}, so the BFC allocator ({_BFC_ENV}=true) cannot be switched on now. "
+            "Restart the kernel and run gradtut.setup(...) first, or pass bfc_allocator=False."
         )
     if deterministic:
         tf.config.experimental.enable_op_determinism()
@@ -222,13 +225,17 @@ def setup(seed=0, virtual_cpus=None, bfc_allocator=True, deterministic=True,
     }
 
 
-def allocator_has_stats(device="CPU:0"):
-    """Whether TensorFlow's allocator on ``device`` keeps memory statistics (on a CPU: the BFC
-    allocator, chosen before TensorFlow starts, as :func:`setup` does, or the plain allocator
-    with oneDNN on, which hands large blocks to a BFC allocator; notebook 05, section 9).
+def allocator_statistics(device="CPU:0"):
+    """Which blocks TensorFlow's allocator on ``device`` counts in its memory statistics.
+
+    Returns ``"all blocks"`` (the BFC allocator, which :func:`setup` chooses on a CPU),
+    ``"large blocks only"`` (oneDNN's CPU allocator, TensorFlow's default where oneDNN is on:
+    blocks under 256 kB go to a pool that keeps no statistics, ``mkl_cpu_allocator.h``, so its
+    peaks miss them; notebook 05, section 9) or ``"none"`` (the plain allocator, oneDNN off).
+    A 4 kB probe tensor, which only the first counts, tells the first two apart.
 
     Example:
-      >>> allocator_has_stats("CPU:0") in (True, False)
+      >>> allocator_statistics("CPU:0") in ("all blocks", "large blocks only", "none")
       True
     """
     if not isinstance(device, str) or not device:
@@ -236,10 +243,26 @@ def allocator_has_stats(device="CPU:0"):
     import tensorflow as tf
 
     try:
-        tf.config.experimental.get_memory_info(device)
+        before = tf.config.experimental.get_memory_info(device)["current"]
     except (ValueError, RuntimeError):
-        return False
-    return True
+        return "none"
+    with tf.device(device):
+        probe = tf.random.stateless_uniform([1024], seed=[0, 0])  # 4 kB, on the device
+    counted = tf.config.experimental.get_memory_info(device)["current"] > before
+    del probe
+    return "all blocks" if counted else "large blocks only"
+
+
+def allocator_has_stats(device="CPU:0"):
+    """Whether TensorFlow's allocator on ``device`` keeps memory statistics of every block (on
+    a CPU, the BFC allocator, chosen before TensorFlow starts, as :func:`setup` does; see
+    :func:`allocator_statistics` for the allocators that count fewer or none).
+
+    Example:
+      >>> allocator_has_stats("CPU:0") in (True, False)
+      True
+    """
+    return allocator_statistics(device) == "all blocks"
 
 
 # --- running a function in a fresh Python process -------------------------------------------

@@ -80,6 +80,20 @@ def test_peak_memory_without_allocator_stats_says_how_to_fix():
     assert "TF_CPU_ALLOCATOR_USE_BFC=true" in proc.stderr
 
 
+def test_peak_memory_refuses_an_allocator_that_counts_only_large_blocks():
+    # With oneDNN on, the default allocator has statistics, but not of blocks under 256 kB:
+    # a peak of 2 kB tensors would read 0.
+    code = ("import tensorflow as tf; from gradtut.measure import peak_memory_bytes; "
+            "peak_memory_bytes(lambda: [tf.ones(512) for _ in range(100)])")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TF_")}
+    env.update(TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="1")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode != 0
+    assert "does not count every block (its statistics: large blocks only" in proc.stderr
+    assert "TF_CPU_ALLOCATOR_USE_BFC=true" in proc.stderr
+
+
 
 
 def test_format_table_aligns_columns():

@@ -80,6 +80,34 @@ def test_tensorflow_started_first_with_the_plain_allocator_says_restart():
     assert ok.stdout.strip() == "False"
 
 
+def test_tensorflow_started_first_with_onednn_allocator_says_restart():
+    # With oneDNN on, TensorFlow's default CPU allocator answers get_memory_info, but its
+    # blocks under 256 kB go to a pool without statistics: peaks from it would be too low.
+    started_first = ("import tensorflow as tf; tf.ones(1); import gradtut; "
+                     "from gradtut.session import allocator_statistics; "
+                     "print(tf.config.experimental.get_memory_info('CPU:0')['current'] >= 0, "
+                     "allocator_statistics()); ")
+    proc = run_python(started_first + "gradtut.setup()",
+                      TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="1")
+    assert proc.returncode != 0
+    assert proc.stdout.strip() == "True large blocks only"
+    assert "count only blocks of 256 kB and more" in proc.stderr
+    assert "cannot be switched on now. Restart the kernel" in proc.stderr
+    ok = run_python(started_first + "print(gradtut.setup(bfc_allocator=False)['bfc_allocator'])",
+                    TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="1")
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.split() == ["True", "large", "blocks", "only", "False"]
+
+
+def test_allocator_statistics_names_each_allocator():
+    code = ("import tensorflow as tf; from gradtut.session import allocator_statistics; "
+            "print(allocator_statistics())")
+    answers = {run_python(code, TF_CPP_MIN_LOG_LEVEL="3", **env).stdout.strip()
+               for env in ({"TF_ENABLE_ONEDNN_OPTS": "0"}, {"TF_ENABLE_ONEDNN_OPTS": "1"},
+                           {"TF_ENABLE_ONEDNN_OPTS": "0", "TF_CPU_ALLOCATOR_USE_BFC": "true"})}
+    assert answers == {"none", "large blocks only", "all blocks"}
+
+
 def test_setup_first_gives_allocator_statistics_even_without_onednn():
     proc = run_python("import gradtut; print(gradtut.setup()['bfc_allocator'])",
                       TF_ENABLE_ONEDNN_OPTS="0")
@@ -143,7 +171,10 @@ def test_the_child_protocol_round_trips_and_refuses_bad_arguments():
 
 
 def test_allocator_has_stats_names_a_bad_device():
-    from gradtut.session import allocator_has_stats
+    from gradtut.session import allocator_has_stats, allocator_statistics
     assert allocator_has_stats("CPU:0") is True  # the tests run after gradtut.setup()
+    assert allocator_statistics("CPU:0") == "all blocks"
     with pytest.raises(ValueError, match="device must be a device name"):
         allocator_has_stats(0)
+    with pytest.raises(ValueError, match="device must be a device name"):
+        allocator_statistics("")

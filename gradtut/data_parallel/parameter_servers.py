@@ -86,7 +86,7 @@ def train_with_parameter_servers(strategy, steps, batch_size=32, learning_rate=0
         :func:`train_digits`.
       kill_worker_after: None, or ``k``: after ``k`` steps have finished, schedule the rest and
         SIGKILL worker 1 of ``cluster`` while they run. The coordinator reschedules the step
-        it was running on the other worker.
+        it was running, if any, on the other worker.
       cluster: the :class:`gradtut.cluster.LocalCluster`: needed with ``kill_worker_after``;
         with it, ``"worker"`` holds task indices, without it process ids.
       timeout_s: seconds for the training; then ``TimeoutError`` (once every worker is dead,
@@ -172,8 +172,9 @@ def _worker_batches(x, y, batch_size):
     """The per-worker dataset function. It runs in each worker's own process, so
     ``/proc/self/stat`` there starts with that worker's process id: each batch is tagged with
     it, to tell afterwards which worker ran a step. The workers also start the data at
-    different points (the id modulo the data size): ``gradtut.setup()`` makes random ops
-    deterministic, so an unseeded shuffle would give both workers the same batches."""
+    different points (the id modulo the data size): ``gradtut.setup()`` sets a global seed in
+    the coordinator, where the dataset function is traced, so a shuffle without its own seed
+    would give both workers the same order."""
     def batches():
         pid = tf.strings.to_number(tf.strings.split(tf.io.read_file("/proc/self/stat"))[0],
                                    tf.int64)

@@ -139,7 +139,8 @@ def pipeline_gradients(stages, x, y, loss_fn, num_microbatches, *, training=Fals
     every micro-batch in turn, handing each one to the next stage as soon as it is done, then
     the backward passes in reverse order, and the micro-batch gradients are summed. Each stage
     does one thing at a time on its own device; different stages work at the same time. The
-    whole schedule is one ``tf.function``, traced once per batch size and micro-batch count.
+    whole schedule is one ``tf.function``, traced once per loss, micro-batch split and
+    ``training`` flag.
 
     A batch that does not split evenly is handled exactly: micro-batch sizes differ by at most
     one, and each micro-batch's loss is weighted by its share of the batch, so the result is the
