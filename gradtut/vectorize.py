@@ -90,10 +90,11 @@ def vectorization_report(fn, elems):
 
     pfor converts each op of ``fn`` into a batched op. Ops it has no rule for (or cannot batch
     with these inputs) run in a ``while_loop`` over the examples instead: correct, but as slow as
-    a loop, and TensorFlow only mentions it in a log line that ``gradtut.setup`` hides (a
-    warning for an op without a converter and for a converter that writes its own loop, such as
-    ``Conv2DBackpropFilter``'s; a DEBUG line, hidden at TensorFlow's default level too, for a
-    converter that needs an input to be the same for every example). This
+    a loop, and TensorFlow only mentions it in a log line that ``gradtut.setup`` hides (under
+    ``tf.vectorized_map``, a warning for an op without a converter and for
+    ``Conv2DBackpropFilter``'s converter, which loops by itself; a DEBUG line, hidden at
+    TensorFlow's default level too, for the fallbacks other converters choose, such as one that
+    needs an input to be the same for every example). This
     function traces ``fn`` afresh, captures those lines, and returns them.
 
     Args:

@@ -68,32 +68,20 @@ def test_peak_memory_sees_a_temporary_buffer():
     assert 4 * n <= peak < 3 * 4 * n
 
 
-def test_peak_memory_without_allocator_stats_says_how_to_fix():
-    # With oneDNN off, TensorFlow's default CPU allocator keeps no statistics.
-    code = ("import tensorflow as tf; from gradtut.measure import peak_memory_bytes; "
-            "peak_memory_bytes(lambda: tf.ones(3))")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TF_")}
-    env.update(TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=300)
-    assert proc.returncode != 0
-    assert "TF_CPU_ALLOCATOR_USE_BFC=true" in proc.stderr
-
-
-def test_peak_memory_refuses_an_allocator_that_counts_only_large_blocks():
-    # With oneDNN on, the default allocator has statistics, but not of blocks under 256 kB:
-    # a peak of 2 kB tensors would read 0.
+@pytest.mark.parametrize("onednn, counted", [
+    ("0", "none"),  # oneDNN off: TensorFlow's default CPU allocator keeps no statistics
+    ("1", "large blocks only"),  # oneDNN on: none of blocks under 256 kB, so 2 kB tensors read 0
+])
+def test_peak_memory_refuses_an_allocator_that_misses_blocks(onednn, counted):
     code = ("import tensorflow as tf; from gradtut.measure import peak_memory_bytes; "
             "peak_memory_bytes(lambda: [tf.ones(512) for _ in range(100)])")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TF_")}
-    env.update(TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="1")
+    env.update(TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS=onednn)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           timeout=300)
     assert proc.returncode != 0
-    assert "does not count every block (its statistics: large blocks only" in proc.stderr
+    assert f"does not count every block (its statistics: {counted}" in proc.stderr
     assert "TF_CPU_ALLOCATOR_USE_BFC=true" in proc.stderr
-
-
 
 
 def test_format_table_aligns_columns():
