@@ -52,8 +52,9 @@ def accumulated_gradients(model, loss_fn, x, y, micro_batch_size):
     is divided once by the number of examples. A short last micro-batch is therefore weighted by
     its size, not as a full one (averaging micro-batch means would over-weight it). The model's
     weight regularisation losses are added once; losses its forward pass records (activity
-    regularisers, ``add_loss``) are refused, as Keras divides each by the micro-batch. Only one
-    micro-batch's activations are alive at a time, which is the point: the activations' memory
+    regularisers, ``add_loss``) are refused, as each is computed from one micro-batch (Keras
+    divides an activity regulariser by its size). Only one micro-batch's activations are alive
+    at a time, which is the point: the activations' memory
     follows ``micro_batch_size``, not the batch (the gradients and their running sum do not
     shrink: two copies of the weights, three while a micro-batch's gradients are computed next
     to the last one's).

@@ -48,7 +48,8 @@ def cnn(classes=10, seed=0):
 
 def transformer(classes=10, seed=0, width=32, heads=2):
     """A tiny transformer on 8x8 digit images read as 8 tokens of 8 pixels: a token embedding,
-    one pre-norm block (multi-head attention, LayerNormalization, a feed-forward block),
+    one pre-norm block (LayerNormalization then multi-head attention, LayerNormalization then
+    a feed-forward block),
     mean pooling, Dense logits. (Sizes positive ints, ``seed`` an int >= 0, and ``width``
     divisible by ``heads``; ValueError otherwise.)"""
     _check_sizes(classes=classes, seed=seed, width=width, heads=heads)

@@ -230,8 +230,8 @@ def allocator_statistics(device="CPU:0"):
 
     Returns ``"all blocks"`` (the BFC allocator, which :func:`setup` chooses on a CPU),
     ``"large blocks only"`` (oneDNN's CPU allocator, TensorFlow's default where oneDNN is on:
-    blocks under 256 kB go to a pool that keeps no statistics, ``mkl_cpu_allocator.h``, so its
-    peaks miss them; notebook 05, section 9) or ``"none"`` (the plain allocator, oneDNN off).
+    blocks under 256 kB go straight to ``malloc``, without statistics, ``mkl_cpu_allocator.h``,
+    so its peaks miss them; notebook 05, section 9) or ``"none"`` (the plain allocator, oneDNN off).
     A 4 kB probe tensor, which only the first counts, tells the first two apart.
 
     Example:

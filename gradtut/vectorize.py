@@ -51,7 +51,9 @@ class VectorizationReport:
     """What ``tf.vectorized_map`` did with a function.
 
     Attributes:
-      vectorized: True when every op was converted to a batched op (no ``while_loop``).
+      vectorized: True when pfor logged no ``while_loop`` fallback. A loop already in ``fn``
+        (``tf.map_fn``, ``tf.while_loop``) stays a loop without a log line, and the wrong
+        batched results of notebook 02's two exceptions leave none either.
       fallback_ops: op types pfor ran in a ``while_loop`` instead, in the order it said so.
       messages: the log lines TensorFlow emitted while converting that mention a
         ``while_loop`` (the fallbacks); its other lines are dropped.

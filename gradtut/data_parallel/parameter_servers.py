@@ -246,10 +246,10 @@ def _step_records(values, cluster):
 
 def _parameter_server_step(strategy, model, optimizer, version, attempts):
     """The step a worker runs: one batch from its own dataset, one update of the shared
-    weights. TensorFlow orders stateful ops only within one variable, so the explicit control
-    dependencies put the counter's reads where they belong: the first before the weights are
-    read, the second after the gradient is computed and before it is applied, and the
-    increment after the update."""
+    weights. TensorFlow does not order reads of different variables against each other, so
+    explicit control dependencies put the counter's reads where they belong: the first before
+    the weights are read, the second after the gradient is computed and before it is applied,
+    and the increment after the update."""
     @tf.function
     def step(iterator, step_id):
         # counted first, before the batch is fetched: a worker killed at any point of the step

@@ -71,9 +71,10 @@ def _refuse_call_losses(model, where):
     if recorded:
         raise ValueError(
             f"the model recorded {recorded} loss(es) in its forward pass (activity_regularizer or "
-            f"add_loss); {where} cannot weight them exactly: Keras divides each by the batch the "
-            "layer sees (one replica's share, one micro-batch), and replicas record them on the "
-            "same shared layers. Remove them, or add the term to loss_fn; make_train_step keeps "
+            f"add_loss); {where} cannot weight them exactly: each is computed from the batch the "
+            "layer sees (one replica's share, one micro-batch; Keras divides an activity "
+            "regulariser by that batch's size), and replicas record them on the same shared "
+            "layers. Remove them, or add the term to loss_fn; make_train_step keeps "
             "them on a single replica.")
 
 
@@ -124,8 +125,10 @@ def make_train_step(strategy, model, loss_fn, optimizer, global_batch_size):
     ``tf.nn.scale_regularization_loss`` does), and the optimizer sums the replicas' gradients.
     The update therefore equals one step of single-device training on the concatenated global
     batch. Losses the forward pass records (``activity_regularizer``, ``add_loss``) are kept on
-    one replica and refused on more: Keras divides each by the replica's share of the batch,
-    and the replicas record them on the same shared layers, so their sum is not the
+    one replica and refused on more: each is computed from the replica's share of the batch
+    (Keras divides an activity regulariser by that share's size, and an ``add_loss`` term is
+    whatever the layer computed from it), and the replicas record them on the same shared
+    layers, so their sum is not the
     single-device value (on a small MLP with an L2 activity regulariser, the loss came out
     2-5% off over 2 and 4 replicas).
 
