@@ -410,6 +410,27 @@ def check_optimizer(optimizer):
                         "model.compile)")
 
 
+def check_no_clipping_over_replicas(optimizer, replicas):
+    """Refuse an optimizer that clips (``clipnorm``, ``clipvalue``, ``global_clipnorm``) when
+    ``replicas > 1`` (ValueError). Keras 3's ``Optimizer.apply`` clips the gradients it is
+    given and only then all-reduces them (``_clip_gradients``, then ``_backend_update_step``),
+    so under a strategy each replica clips its own share, and the sum of clipped shares is
+    not the clipped global gradient.
+
+    Example:
+      >>> check_no_clipping_over_replicas(keras.optimizers.SGD(0.1, clipnorm=1.0), 1)  # passes
+    """
+    clipping = [name for name in ("clipnorm", "clipvalue", "global_clipnorm")
+                if getattr(optimizer, name, None) is not None]
+    if clipping and replicas > 1:
+        raise ValueError(
+            f"the optimizer clips ({', '.join(f'{n}={getattr(optimizer, n)}' for n in clipping)})"
+            f" and there are {replicas} replicas: Keras 3 clips each replica's share of the "
+            "gradient before it sums the replicas, so the update would not be the clipped "
+            "global gradient's. Build the optimizer without clipping, or clip the summed "
+            "gradient yourself before optimizer.apply in a step of your own.")
+
+
 def checked_batch(x, y):
     """``(x, y, examples)``: the batch as (nests of) tensors and its size, after refusing None,
     x and y of different lengths, and an empty batch (ValueError). Inside a ``tf.function``

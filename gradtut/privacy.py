@@ -433,8 +433,10 @@ def make_dp_train_step(model, loss_fn, optimizer, l2_norm_clip, noise_multiplier
       ValueError: bad arguments (``l2_norm_clip`` not a positive number, ``expected_batch_size``
         not a positive int, a bad ``seed``, a loss given by name); a trainable BatchNormalization
         layer (it normalises with batch statistics in training); a reducing loss; and as
-        :func:`gradtut.per_example.clipped_gradient` for layers the engine refuses.
-        ``step(x, y)`` refuses ``x`` or ``y`` None.
+        :func:`gradtut.per_example.clipped_gradient` for layers the engine refuses; an
+        optimizer that clips (``clipnorm`` and the like) over more than one replica (Keras
+        clips each replica's share before summing). ``step(x, y)`` refuses ``x`` or ``y``
+        None.
       TypeError: ``model`` is not a Keras model, or ``optimizer`` is not a Keras optimizer.
 
     Example:
@@ -452,6 +454,7 @@ def make_dp_train_step(model, loss_fn, optimizer, l2_norm_clip, noise_multiplier
         raise TypeError(f"optimizer must be a Keras optimizer object, got {optimizer!r} "
                         f"({type(optimizer).__name__}); pass e.g. keras.optimizers.SGD(0.1)")
     strategy = strategy or tf.distribute.get_strategy()
+    checks.check_no_clipping_over_replicas(optimizer, strategy.num_replicas_in_sync)
     seed = _seed(seed)
     with strategy.scope():
         counter = tf.Variable(0, dtype=tf.int64, trainable=False,
@@ -508,7 +511,8 @@ class DPModel(keras.Model):
       TypeError: ``model`` is not a Keras model.
       ValueError: ``l2_norm_clip``, ``noise_multiplier``, ``expected_batch_size`` or ``seed``
         as :func:`make_dp_train_step`; ``compile`` checks the loss and the model as it does,
-        and ``fit`` refuses data without targets and ``sample_weight``.
+        and ``fit`` refuses data without targets, ``sample_weight``, and an optimizer that
+        clips over more than one replica.
 
     Example:
       >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
@@ -616,6 +620,8 @@ class DPModel(keras.Model):
             raise ValueError("DPModel does not take sample_weight or class_weight: a weight "
                              "above 1 would let one example move the model by more than the "
                              "clip norm. Resample the data instead.")
+        checks.check_no_clipping_over_replicas(
+            self.optimizer, tf.distribute.get_replica_context().num_replicas_in_sync)
         self._dp_steps.assign_add(1)
         grads, losses, y_pred = self._dp_gradients(x, y, tf.identity(self._dp_steps.value))
         self.optimizer.apply(grads, self.model.trainable_variables)

@@ -101,7 +101,8 @@ def vectorization_report(fn, elems):
 
     Args:
       fn: function of one element (a nest of tensors without the leading batch dimension).
-      elems: a tensor or nest of tensors with a common leading dimension.
+      elems: a tensor or nest of tensors with a common leading dimension B (a tensor with a
+        leading dimension of 1 is broadcast to B, as ``tf.vectorized_map`` does).
 
     Returns:
       :class:`VectorizationReport`.
@@ -109,7 +110,7 @@ def vectorization_report(fn, elems):
     Raises:
       TypeError: ``fn`` is not callable.
       ValueError: ``elems`` is None, empty, a scalar (no leading axis to map over), or a nest
-        whose tensors differ in their leading dimension.
+        whose tensors differ in their leading dimension (other than 1).
 
     Example:
       >>> report = vectorization_report(lambda v: tf.reduce_sum(v * v), tf.ones([4, 3]))
@@ -149,9 +150,10 @@ def _check_elems(fn, elems):
         raise ValueError("elems holds a scalar, which has no leading axis to map over; stack "
                          "the elements along axis 0 (tf.stack, or tf.reshape(x, [1]) for one)")
     sizes = {shape[0] for shape in shapes if shape.rank} - {None}
-    if len(sizes) > 1:
+    if len(sizes - {1}) > 1:  # tf.vectorized_map broadcasts a leading dimension of 1
         raise ValueError(f"the tensors in elems have different leading dimensions "
-                         f"{sorted(sizes)}; vectorized_map needs one element count")
+                         f"{sorted(sizes)}; vectorized_map needs one element count B (or 1, "
+                         "which it broadcasts)")
 
 
 # ----------------------------------------------------------------- per-example input derivatives

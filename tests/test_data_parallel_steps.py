@@ -228,3 +228,48 @@ def test_regularization_gradients_leave_out_the_losses_a_forward_pass_recorded()
     np.testing.assert_allclose(grads[0], 2 * 0.01 * model.layers[0].kernel.numpy() / 2,
                                rtol=1e-6)
     assert grads[1:] == [None, None, None]
+
+
+def clipped_twins(strategy, clipnorm=0.01):
+    with strategy.scope():
+        model, optimizer = dp_model(False), keras.optimizers.SGD(0.1, clipnorm=clipnorm)
+    reference = dp_model(False)
+    reference.set_weights(model.get_weights())
+    return model, optimizer, reference, keras.optimizers.SGD(0.1, clipnorm=clipnorm)
+
+
+def test_keras_clips_each_replica_share_so_a_clipping_optimizer_is_refused_over_replicas():
+    x, y = dp_data(16)
+    strategy = strategy_with(2)
+    model, optimizer, reference, ref_optimizer = clipped_twins(strategy)
+    distributed, plain = dp_batches(strategy, x, y, 16)
+    for factory in (lambda: make_train_step(strategy, model, LOSS, optimizer, 16),
+                    lambda: make_accumulating_train_step(strategy, model, LOSS, optimizer, 16, 2)):
+        with pytest.raises(ValueError, match=r"clips \(clipnorm=0.01\) and there are 2 replicas"):
+            factory()
+
+    # Why: Keras's apply clips the replica's share, then sums. Each share's mean-loss gradient
+    # over the global batch, applied inside the replicas, lands elsewhere than one clipped step.
+    @tf.function
+    def per_replica_apply(batch):
+        def replica(xs, ys):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(LOSS(ys, model(xs, training=True))) / 16
+            optimizer.apply(tape.gradient(loss, model.trainable_variables),
+                            model.trainable_variables)
+        strategy.run(replica, args=batch)
+
+    per_replica_apply(next(iter(distributed)))
+    single_device_step(reference, LOSS, ref_optimizer, *plain[0])
+    assert not np.allclose(model.get_weights()[0], reference.get_weights()[0], rtol=1e-3)
+
+
+def test_a_clipping_optimizer_on_one_replica_equals_single_device_training():
+    x, y = dp_data(16)
+    strategy = strategy_with(1)
+    model, optimizer, reference, ref_optimizer = clipped_twins(strategy)
+    distributed, plain = dp_batches(strategy, x, y, 16)
+    make_train_step(strategy, model, LOSS, optimizer, 16)(next(iter(distributed)))
+    single_device_step(reference, LOSS, ref_optimizer, *plain[0])
+    assert_gradients_close(model.get_weights(), reference.get_weights(), **TOL)
+    assert not np.allclose(model.get_weights()[0], dp_model(False).get_weights()[0])

@@ -265,6 +265,26 @@ def test_dp_model_under_mirrored_strategy_equals_one_device():
     assert_gradients_close(dp.model.trainable_variables, single.model.trainable_variables, **TOL)
 
 
+def test_a_clipping_optimizer_is_refused_over_replicas_by_both_entry_points():
+    # Keras clips each replica's share before summing: with the noise split over replicas,
+    # the update would be neither the clipped sum plus one Gaussian draw nor post-processing of it
+    x, y = batch_for("mlp", 24, seed=1)
+    strategy = strategy_with(2)
+    with strategy.scope():
+        model = build("mlp")
+        clipping = keras.optimizers.SGD(0.5, clipnorm=1.0)
+    with pytest.raises(ValueError, match=r"clips \(clipnorm=1.0\) and there are 2 replicas"):
+        make_dp_train_step(model, LOSS, clipping, 1.0, 1.0, 12, strategy=strategy, seed=0)
+    with strategy.scope():
+        dp = DPModel(build("mlp"), 0.2, 1.0, 12, seed=0)
+        dp.compile(optimizer=keras.optimizers.SGD(0.5, global_clipnorm=1.0), loss=LOSS)
+    with pytest.raises(ValueError, match=r"clips \(global_clipnorm=1.0\) and there are 2"):
+        dp.fit(x, y, batch_size=12, epochs=1, verbose=0)
+    one = DPModel(build("mlp"), 0.2, 1.0, 12, seed=0)  # one replica: clipping is allowed
+    one.compile(optimizer=keras.optimizers.SGD(0.5, global_clipnorm=1.0), loss=LOSS)
+    one.fit(x, y, batch_size=12, epochs=1, verbose=0)
+
+
 def test_poisson_batches_sample_each_example_independently():
     x, y = np.arange(400)[:, None], np.arange(400)
     q = 0.05

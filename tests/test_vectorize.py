@@ -341,6 +341,14 @@ def test_calls_inside_a_tf_function_are_refused_with_the_fix():
         traced(tf.constant(inputs("mlp", 3)))
 
 
+def test_vectorization_report_broadcasts_a_leading_one_like_vectorized_map():
+    x = tf.random.normal([5, 3])
+    w = tf.random.normal([1, 3])
+    report = vectorization_report(lambda e: tf.reduce_sum(e[0] * e[1]), (x, w))
+    by_hand = [float(tf.reduce_sum(x[i] * w[0])) for i in range(5)]  # the reference, after
+    np.testing.assert_allclose(report.result.numpy(), by_hand, rtol=1e-6)
+
+
 def test_vectorization_report_refuses_scalars_and_other_bad_elems():
     with pytest.raises(ValueError, match="elems holds a scalar, which has no leading axis"):
         vectorization_report(lambda v: v * 2, tf.constant(3.0))

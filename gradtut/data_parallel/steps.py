@@ -22,6 +22,7 @@ from gradtut.checks import (
     check_int,
     check_keras_model,
     check_loss_fn,
+    check_no_clipping_over_replicas,
     check_optimizer,
     checked_batch,
 )
@@ -53,6 +54,7 @@ def _check_step_arguments(strategy, model, loss_fn, optimizer, global_batch_size
     check_keras_model(model)
     check_loss_fn(loss_fn)
     check_optimizer(optimizer)
+    check_no_clipping_over_replicas(optimizer, strategy.num_replicas_in_sync)
     global_batch_size = check_int(global_batch_size, "global_batch_size")
     _check_every_replica_gets_examples(strategy, global_batch_size, "global_batch_size")
     return global_batch_size
@@ -149,7 +151,8 @@ def make_train_step(strategy, model, loss_fn, optimizer, global_batch_size):
       ValueError: ``global_batch_size`` is not a positive int or is smaller than the replica
         count; ``loss_fn`` is a loss name (a string); at the first call, a ``loss_fn`` that
         does not return ``[B]`` (a mean or sum over the batch: build it with ``reduction=None``),
-        or, over more than one replica, a model whose forward pass records losses.
+        or, over more than one replica, a model whose forward pass records losses, or an
+        optimizer that clips (Keras clips each replica's share before summing them).
       TypeError: ``strategy``, ``model`` or ``optimizer`` is not one, or ``loss_fn`` cannot be
         called.
 
