@@ -73,9 +73,12 @@ def train_with_parameter_servers(strategy, steps, batch_size=32, learning_rate=0
 
     Each step reads a version counter (on the parameter server) before it reads any weight,
     reads it again once its gradient is computed, just before applying it, and increments it
-    after its update. ``read_before_update - read`` is how many other updates landed while the
-    step computed: how stale its gradient was. (The two reads are plain reads: the value an
-    increment returns is a separate read, which another worker's increment can overtake.)
+    after its update. ``read_before_update - read`` is, give or take one at each end, how many
+    other updates landed while the step computed: how stale its gradient was (an update is
+    counted just after its weights are written, so one written just before the first read can
+    be counted, and one written after the second read is missed). (The two reads are plain
+    reads: the value an increment returns is a separate read, which another worker's
+    increment can overtake.)
     Each step also counts its attempts, so a step that ran more than once (an attempt lost
     with a killed worker, or cancelled because of it, then run again) shows ``attempts >= 2``.
 

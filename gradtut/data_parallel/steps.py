@@ -149,10 +149,11 @@ def make_train_step(strategy, model, loss_fn, optimizer, global_batch_size):
 
     Raises:
       ValueError: ``global_batch_size`` is not a positive int or is smaller than the replica
-        count; ``loss_fn`` is a loss name (a string); at the first call, a ``loss_fn`` that
-        does not return ``[B]`` (a mean or sum over the batch: build it with ``reduction=None``),
-        or, over more than one replica, a model whose forward pass records losses, or an
-        optimizer that clips (Keras clips each replica's share before summing them).
+        count; ``loss_fn`` is a loss name (a string); over more than one replica, an optimizer
+        that clips (Keras clips each replica's share before summing them); at the first call, a
+        ``loss_fn`` that does not return ``[B]`` (a mean or sum over the batch: build it with
+        ``reduction=None``), or, over more than one replica, a model whose forward pass records
+        losses.
       TypeError: ``strategy``, ``model`` or ``optimizer`` is not one, or ``loss_fn`` cannot be
         called.
 
