@@ -275,6 +275,23 @@ def test_kernel_dimensions_that_do_not_split_are_refused():
         mp.ColumnParallelDense(4, ["CPU:0", "CPU:7"])
 
 
+@pytest.mark.parametrize("activation", ["softmax", "log_softmax", "glu", "sparsemax"])
+def test_an_activation_that_mixes_a_row_is_refused_on_a_column_split(activation):
+    with pytest.raises(ValueError, match=f"activation '{activation}' mixes the features of a row"):
+        mp.ColumnParallelDense(8, DEVICES[2], activation=activation)
+
+
+def test_why_a_row_mixing_activation_is_refused():
+    # softmax per shard normalises each half on its own: each half sums to one, the whole to two
+    dense = keras.layers.Dense(8)
+    x, _ = data((10,), 4)
+    logits = dense(x)
+    halves = [keras.activations.softmax(h) for h in tf.split(logits, 2, axis=-1)]
+    per_shard = tf.concat(halves, axis=-1)
+    np.testing.assert_allclose(tf.reduce_sum(per_shard, axis=-1), 2.0, rtol=1e-5)
+    assert not np.allclose(per_shard, keras.activations.softmax(logits), atol=1e-3)
+
+
 def mlp_params(seed=0, features=10, hidden=8, classes=3):
     rng = np.random.RandomState(seed)
     return {"W1": (0.3 * rng.randn(features, hidden)).astype("float32"),

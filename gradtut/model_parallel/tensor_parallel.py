@@ -13,6 +13,9 @@ def _check_divisible(size, shards, what):
             f"divisible by {shards}, or use a device count that divides {size}")
 
 
+_ROW_MIXING_ACTIVATIONS = ("softmax", "log_softmax", "glu", "sparsemax")
+
+
 class ColumnParallelDense(keras.layers.Layer):
     """A Dense layer whose kernel is split by output columns over ``devices``.
 
@@ -27,7 +30,9 @@ class ColumnParallelDense(keras.layers.Layer):
     Args:
       units: output features; must be divisible by the number of devices.
       devices: one device name per shard.
-      activation: applied to each shard (element-wise, so sharding does not change it).
+      activation: applied to each shard, so it must act element by element (relu, gelu,
+        tanh...); one that mixes the features of a row (softmax, log_softmax, glu, sparsemax)
+        would differ from the unsplit layer's and is refused.
       gather_output: concatenate the shards into one ``[batch, units]`` tensor. Leave it False
         when a :class:`RowParallelDense` follows: it takes the list of shards as it is.
       kernel_initializer, bias_initializer: initialise the full kernel, which is then split,
@@ -37,7 +42,8 @@ class ColumnParallelDense(keras.layers.Layer):
     ``[batch, units / len(devices)]`` (or one ``[batch, units]`` tensor with ``gather_output``).
 
     Raises:
-      ValueError: ``units`` not divisible by the device count, or a device that does not exist.
+      ValueError: ``units`` not divisible by the device count, a device that does not exist,
+        or an activation that mixes the features of a row.
 
     Example:
       >>> layer = ColumnParallelDense(8, ["CPU:0", "CPU:1"], gather_output=True)
@@ -52,6 +58,12 @@ class ColumnParallelDense(keras.layers.Layer):
         _check_divisible(units, len(self.devices), "units")
         self.units = units
         self.activation = keras.activations.get(activation)
+        mixing = getattr(self.activation, "__name__", "")
+        if mixing in _ROW_MIXING_ACTIVATIONS:
+            raise ValueError(
+                f"activation {mixing!r} mixes the features of a row, so applied to each of the "
+                f"{len(self.devices)} shards it would differ from the unsplit layer's. Use "
+                "activation=None here, gather_output=True, and apply it to the gathered output.")
         self.gather_output = gather_output
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
