@@ -1,8 +1,15 @@
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from gradtut.checks import assert_gradients_close, check_int, check_real, check_seed
+from gradtut.checks import (
+    assert_gradients_close,
+    check_int,
+    check_no_clipping_over_replicas,
+    check_real,
+    check_seed,
+)
 
 
 def test_close_nests_pass_and_return_the_largest_error():
@@ -199,3 +206,14 @@ def test_per_example_losses_and_regularization_gradients_refuse_bad_input():
         regularization_gradients(model, replicas=0)
     with pytest.raises(TypeError, match="model must be a Keras model"):
         regularization_gradients("model")
+
+
+@pytest.mark.parametrize("clipping", [{"clipnorm": 1.0}, {"clipvalue": 0.5},
+                                      {"global_clipnorm": 2.0}])
+def test_a_clipping_optimizer_is_refused_over_replicas_only(clipping):
+    optimizer = keras.optimizers.SGD(0.1, **clipping)
+    check_no_clipping_over_replicas(optimizer, 1)  # one replica: the clip sees the whole gradient
+    name, value = next(iter(clipping.items()))
+    with pytest.raises(ValueError, match=rf"clips \({name}={value}\) and there are 2 replicas"):
+        check_no_clipping_over_replicas(optimizer, 2)
+    check_no_clipping_over_replicas(keras.optimizers.SGD(0.1), 4)  # no clipping: any count
